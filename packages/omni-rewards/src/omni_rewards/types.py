@@ -172,7 +172,9 @@ class RewardInput:
 
     def slice(self, start: int, stop: int) -> RewardInput:
         """Samples ``start:stop`` of every per-sample field (dict metadata is shared)."""
-        kwargs: dict[str, Any] = {name: _slice(getattr(self, name), start, stop) for name in BATCH_FIELDS}
+        kwargs: dict[str, Any] = {
+            name: _slice(getattr(self, name), start, stop) for name in BATCH_FIELDS
+        }
         meta = self.metadata
         if isinstance(meta, list | tuple):
             meta = list(meta[start:stop])
@@ -223,7 +225,9 @@ class RewardInput:
                     raise RewardInputError(
                         f"videos[{i}]: expected shape (T, H, W, 3), got shape {a.shape}"
                     )
-                frames = [to_uint8_image(a[t], field=f"videos[{i}]", index=t) for t in range(len(a))]
+                frames = [
+                    to_uint8_image(a[t], field=f"videos[{i}]", index=t) for t in range(len(a))
+                ]
             if not frames:
                 raise RewardInputError(f"videos[{i}]: video has no frames")
             out.append(np.stack(frames))
@@ -236,7 +240,9 @@ class RewardInput:
         if self.videos is not None:
             return self.video_list(reward)
         have = ", ".join(self.present()) or "nothing"
-        raise RewardInputError(f"images: {reward} needs `images` or `videos` but the input has {have}")
+        raise RewardInputError(
+            f"images: {reward} needs `images` or `videos` but the input has {have}"
+        )
 
     def prompt_list(self, reward: str = "this reward") -> list[str]:
         prompts = self.require("prompts", reward)
@@ -266,7 +272,9 @@ class RewardInput:
             if w.ndim == 2:
                 w = w.mean(axis=0) if w.shape[0] <= 8 else w.mean(axis=1)
             if w.ndim != 1 or w.size == 0:
-                raise RewardInputError(f"audio[{i}]: expected a waveform (N,) or (C, N), got {w.shape}")
+                raise RewardInputError(
+                    f"audio[{i}]: expected a waveform (N,) or (C, N), got {w.shape}"
+                )
             if not np.all(np.isfinite(w)):
                 raise RewardInputError(f"audio[{i}]: waveform contains NaN or inf")
             out.append(w)
@@ -326,7 +334,9 @@ class RewardOutput:
 
         return {
             "scores": clean(self.scores),
-            "details": {k: clean(v) if v.ndim == 1 else v.tolist() for k, v in self.details.items()},
+            "details": {
+                k: clean(v) if v.ndim == 1 else v.tolist() for k, v in self.details.items()
+            },
         }
 
     @staticmethod

@@ -1,0 +1,192 @@
+"""``omni-rewards`` command line: ``score``, ``serve``, ``distill-latent``, ``list``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from .registry import available_rewards, load_reward
+from .types import RewardInput
+
+__all__ = ["main", "parse_options"]
+
+
+def parse_options(items: Sequence[str]) -> dict[str, Any]:
+    """``["batch_size=4", "backend=rapidocr"]`` -> ``{"batch_size": 4, "backend": "rapidocr"}``.
+
+    Values are parsed as JSON when they can be, else kept as strings.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"--option {item!r}: expected key=value")
+        key, value = item.split("=", 1)
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _load_media(files: Sequence[str]) -> dict[str, Any]:
+    images, latents = [], []
+    for f in files:
+        p = Path(f)
+        if not p.is_file():
+            raise SystemExit(f"{f}: no such file")
+        if p.suffix == ".safetensors":
+            from safetensors.numpy import load_file
+
+            t = load_file(str(p))
+            if "data" not in t and len(t) != 1:
+                raise SystemExit(
+                    f"{f}: expected one tensor (or one named 'data'), found {sorted(t)}"
+                )
+            arr = t.get("data", next(iter(t.values())))
+            latents.extend(
+                list(arr) if arr.ndim >= 2 and len(files) == 1 and arr.shape[0] > 1 else [arr]
+            )
+        else:
+            try:
+                with Image.open(p) as im:
+                    images.append(np.asarray(im.convert("RGB")))
+            except OSError as e:
+                raise SystemExit(f"{f}: cannot read image ({e})") from e
+    if images and latents:
+        raise SystemExit("FILES: pass either images or .safetensors latents, not both")
+    return {"images": images} if images else {"latents": np.stack(latents)}
+
+
+def _cmd_score(args: argparse.Namespace) -> int:
+    reward = load_reward(args.name, **parse_options(args.option))
+    fields = _load_media(args.files)
+    n = len(next(iter(fields.values())))
+    for flag, key in ((args.prompt, "prompts"), (args.reference, "references")):
+        if flag:
+            if len(flag) not in (1, n):
+                raise SystemExit(
+                    f"--{key[:-1]}: give one value or one per file ({n}), got {len(flag)}"
+                )
+            fields[key] = list(flag) * n if len(flag) == 1 else list(flag)
+    out = reward(RewardInput(**fields))
+    if args.json:
+        print(json.dumps(out.to_json()))
+        return 0
+    names = args.files if len(args.files) == n else [f"{args.files[0]}[{i}]" for i in range(n)]
+    scalar = [k for k, v in out.details.items() if v.ndim == 1]
+    header = ["file", "score", *scalar]
+    rows = []
+    for i in range(n):
+        row = [names[i], f"{out.scores[i]:.4f}"]
+        for k in scalar:
+            v = out.details[k][i]
+            row.append(f"{v:.4f}" if isinstance(v, float | np.floating) else str(v))
+        rows.append(row)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for r in [header, *rows]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .server import serve
+
+    reward = load_reward(args.name, **parse_options(args.option))
+    token = args.token or os.environ.get("OMNI_REWARDS_TOKEN")
+    serve(
+        reward,
+        host=args.host,
+        port=args.port,
+        token=token,
+        max_request_bytes=int(args.max_request_mb * 1024 * 1024),
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+        log_level=args.log_level,
+    )
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    for name in available_rewards():
+        print(name)
+    return 0
+
+
+def _cmd_distill(args: argparse.Namespace) -> int:
+    from .latent import distill_main
+
+    return distill_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omni-rewards", description="Score media with omni-rewards")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser(
+        "score", help="score image files (or .safetensors latents) and print a table"
+    )
+    s.add_argument("name", help="reward name (see `omni-rewards list`)")
+    s.add_argument("files", nargs="+")
+    s.add_argument(
+        "--prompt", action="append", help="prompt (once for all files, or once per file)"
+    )
+    s.add_argument("--reference", action="append", help="reference (once, or once per file)")
+    s.add_argument("--option", "-o", action="append", default=[], help="reward option key=value")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=_cmd_score)
+
+    v = sub.add_parser("serve", help="serve a reward over HTTP")
+    v.add_argument("name")
+    v.add_argument("--option", "-o", action="append", default=[], help="reward option key=value")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8765)
+    v.add_argument("--token", default=None, help="bearer token (or env OMNI_REWARDS_TOKEN)")
+    v.add_argument("--max-request-mb", type=float, default=64.0)
+    v.add_argument("--max-batch", type=int, default=64)
+    v.add_argument("--max-wait-ms", type=float, default=5.0)
+    v.add_argument("--log-level", default="info")
+    v.set_defaults(func=_cmd_serve)
+
+    lst = sub.add_parser("list", help="list reward names")
+    lst.set_defaults(func=_cmd_list)
+
+    d = sub.add_parser(
+        "distill-latent",
+        help="fit a latent scorer to an image reward on (latent, image) pairs",
+        description="Data: a .safetensors file with 'latents' (N, C, H, W), 'images' (N, H, W, 3) "
+        "uint8 and optionally 'prompt_embeds' (N, D); or --synthetic N for a built-in demo set.",
+    )
+    d.add_argument("--teacher", default="brightness", help="image reward to imitate")
+    d.add_argument("--teacher-option", action="append", default=[], help="teacher option key=value")
+    d.add_argument("--data", default=None, help=".safetensors file with latents and images")
+    d.add_argument(
+        "--prompts", default=None, help="JSON list of prompts (one per pair) for the teacher"
+    )
+    d.add_argument(
+        "--synthetic", type=int, default=0, help="generate N synthetic pairs instead of --data"
+    )
+    d.add_argument("--out", required=True, help="output directory for the scorer")
+    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--lr", type=float, default=3e-3)
+    d.add_argument("--hidden", type=int, default=64)
+    d.add_argument("--holdout", type=float, default=0.2)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=_cmd_distill)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

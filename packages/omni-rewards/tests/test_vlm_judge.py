@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import numpy as np
+import pytest
+from omni_rewards_testutils import ServerThread, solid
+from PIL import Image
+
+from omni_rewards import RewardError, load_reward
+
+pytest.importorskip("starlette")
+
+
+def _fake_judge():
+    """An OpenAI-compatible chat endpoint on 127.0.0.1: rates red images 8/10, others 2/10;
+    in OCR mode answers "Hello World". Fails on demand to exercise retries."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    state = {"calls": 0, "fail_next": [], "answer": None, "delay": 0.0}
+
+    async def chat(request):
+        state["calls"] += 1
+        if state["fail_next"]:
+            code = state["fail_next"].pop(0)
+            return JSONResponse({"error": "busy"}, status_code=code, headers={"retry-after": "0"})
+        if state["delay"]:
+            await asyncio.sleep(state["delay"])
+        body = await request.json()
+        assert body["temperature"] == 0
+        content = body["messages"][0]["content"]
+        url = next(c["image_url"]["url"] for c in content if c["type"] == "image_url")
+        text = next(c["text"] for c in content if c["type"] == "text")
+        img = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
+        if state["answer"] is not None:
+            answer = state["answer"]
+        elif "Transcribe" in text:
+            answer = "Hello  World"
+        else:
+            answer = "Score: 8/10" if img[..., 0].mean() > 200 and img[..., 2].mean() < 50 else "2"
+        return JSONResponse({"choices": [{"message": {"role": "assistant", "content": answer}}]})
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+    return app, state
+
+
+@pytest.fixture(scope="module")
+def judge():
+    app, state = _fake_judge()
+    srv = ServerThread(app)
+    yield srv, state
+    srv.stop()
+
+
+def test_score_mode_and_retries(judge):
+    srv, state = judge
+    state.update(answer=None, fail_next=[429, 503], delay=0.0)
+    r = load_reward("vlm_judge", url=f"{srv.url}/v1", backoff=0.01, concurrency=1)
+    out = r(
+        images=np.stack([solid((255, 0, 0)), solid((0, 0, 255))]),
+        prompts=["a red square", "a red square"],
+    )
+    np.testing.assert_allclose(out.scores, [0.8, 0.2])
+    assert r.stats["retries"] == 2
+    assert out.details["answer"].tolist() == ["Score: 8/10", "2"]
+
+
+def test_ocr_mode(judge):
+    srv, state = judge
+    state.update(answer=None, fail_next=[], delay=0.0)
+    r = load_reward("vlm_judge", url=f"{srv.url}/v1", mode="ocr")
+    out = r(images=np.stack([solid((0, 0, 0))] * 2), prompts=['"hello world"', '"goodbye"'])
+    assert out.scores[0] == 1.0 and out.scores[1] < 0.5
+
+
+def test_errors(judge):
+    srv, state = judge
+    state.update(answer="I cannot say", fail_next=[], delay=0.0)
+    r = load_reward("vlm_judge", url=f"{srv.url}/v1", retries=0)
+    with pytest.raises(
+        RewardError, match="sample 0: no number in the judge's answer 'I cannot say'"
+    ):
+        r(images=np.stack([solid((0, 0, 0))]), prompts=["x"])
+    state.update(answer="5", fail_next=[400])
+    with pytest.raises(RewardError, match="HTTP 400"):
+        r(images=np.stack([solid((0, 0, 0))]), prompts=["x"])
+    state.update(fail_next=[500, 500, 500])
+    r2 = load_reward("vlm_judge", url=f"{srv.url}/v1", retries=2, backoff=0.01)
+    with pytest.raises(RewardError, match="failed after 3 tries: HTTP 500"):
+        r2(images=np.stack([solid((0, 0, 0))]), prompts=["x"])
+    state.update(fail_next=[], delay=1.0)
+    slow = load_reward("vlm_judge", url=f"{srv.url}/v1", retries=1, backoff=0.01, timeout=0.2)
+    with pytest.raises(RewardError, match="Timeout"):
+        slow(images=np.stack([solid((0, 0, 0))]), prompts=["x"])
+    state.update(delay=0.0)
+    with pytest.raises(ValueError, match="url"):
+        load_reward("vlm_judge")
