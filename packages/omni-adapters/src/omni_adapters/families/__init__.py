@@ -1,0 +1,1 @@
+"""One module per model family; each registers its adapter and tiny builder."""

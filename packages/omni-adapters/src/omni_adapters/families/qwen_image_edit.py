@@ -1,0 +1,193 @@
+"""Qwen-Image-Edit (``QwenImageEditPipeline``): Qwen-Image conditioned on an input image.
+
+The input image enters twice, as in the diffusers pipeline:
+1. through the Qwen2.5-VL encoder: the chat template holds ``<|vision_start|><|image_pad|>
+   <|vision_end|>`` before the instruction; the processor expands the pad token to the image's
+   merged patch count and the vision tower fills them; the hidden states after the system
+   prefix are the text condition (both CFG branches see the image);
+2. as VAE latents: ``image_latents = (E(image) - mean) / std`` (argmax of the posterior),
+   packed and concatenated after the noisy latents on the token axis; the transformer's RoPE
+   gets both shapes, and the prediction is cropped to the noisy tokens.
+
+``encode(prompts, negative_prompts=None, images=...)`` takes the condition images (uint8
+``(B, H, W, 3)`` tensor / array, or a list of PIL images), resized to the adapter option
+``condition_size`` (H, W).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..base import register_adapter, write_adapter_options
+from ..tiny import register_tiny
+from .qwen_image import QwenImageAdapter, pack, tiny_qwen_components, unpack
+
+__all__ = ["QwenImageEditAdapter", "build_tiny_qwen_image_edit", "images_to_tensor"]
+
+EDIT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, "
+    "texture, objects, background), then explain how the user's text instruction should alter "
+    "or modify the image. Generate a new image that meets the user's requirements while "
+    "maintaining consistency with the original input where appropriate.<|im_end|>\n"
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+def images_to_tensor(images: Any, size: tuple[int, int]) -> Tensor:
+    """uint8 ``(B, H, W, 3)`` tensor/array or list of PIL images -> float ``(B, 3, h, w)`` in
+    [0, 1], bilinearly resized to ``size``."""
+    if isinstance(images, (list, tuple)):
+        rows = [
+            torch.from_numpy(np.asarray(im.convert("RGB") if hasattr(im, "convert") else im))
+            for im in images
+        ]
+        x = torch.stack(rows)
+    else:
+        x = torch.as_tensor(np.asarray(images) if not isinstance(images, Tensor) else images)
+    if x.dim() != 4 or x.shape[-1] != 3:
+        raise ValueError(f"images: expected (B, H, W, 3) uint8, got {tuple(x.shape)}")
+    if x.dtype != torch.uint8:
+        raise ValueError(f"images: expected uint8, got {x.dtype}")
+    x = x.permute(0, 3, 1, 2).float() / 255.0
+    if tuple(x.shape[-2:]) != tuple(size):
+        x = torch.nn.functional.interpolate(x, size=size, mode="bilinear", align_corners=False)
+    return x.clamp(0, 1)
+
+
+@register_adapter("QwenImageEditPipeline", family="qwen_image_edit")
+class QwenImageEditAdapter(QwenImageAdapter):
+    """Qwen-Image-Edit image-editing adapter (text + image -> image)."""
+
+    prompt_template: ClassVar[str] = EDIT_TEMPLATE
+    needs_images: ClassVar[bool] = True
+
+    @property
+    def condition_size(self) -> tuple[int, int]:
+        """(H, W) the condition image is resized to (option ``condition_size``; default
+        1024x1024, the release's target area for a square image)."""
+        h, w = self.options.get("condition_size", (1024, 1024))
+        f = 2 * self.vae_scale_factor
+        if h % f or w % f:
+            raise ValueError(f"condition_size: {(h, w)} must be multiples of {f}")
+        return int(h), int(w)
+
+    @property
+    def template_drop(self) -> int:
+        """Template tokens before ``<|vision_start|>`` (64 with the released tokenizer)."""
+        tok = self.components["tokenizer"]
+        prefix = self.prompt_template.split("<|vision_start|>")[0]
+        return len(tok(prefix, add_special_tokens=False).input_ids)
+
+    def _images(self, images: Any) -> Tensor:
+        if images is None:
+            raise ValueError(
+                "images: qwen_image_edit needs condition images (encode(..., images=))"
+            )
+        return images_to_tensor(images, self.condition_size)
+
+    def encode_prompts(self, prompts: list[str], **inputs: Any) -> dict[str, Tensor]:
+        """Instruction + condition image through Qwen2.5-VL: ``prompt_embeds`` (B, L, D) and
+        ``prompt_embeds_mask`` (B, L); L counts the image tokens too."""
+        img = self._images(inputs.get("images"))
+        if img.shape[0] != len(prompts):
+            raise ValueError(f"images: {img.shape[0]} images for {len(prompts)} prompts")
+        proc = self.components["processor"]
+        tok = self.components["tokenizer"]
+        enc = self.components["text_encoder"]
+        drop, length = self.template_drop, self.max_text_length
+        texts = [self.prompt_template.format(p) for p in prompts]
+        model_inputs = proc(
+            text=texts,
+            images=list((img * 255).round().to(torch.uint8)),
+            padding="max_length",
+            max_length=drop + length,
+            truncation=True,
+            return_tensors="pt",
+        ).to(self.device)
+        image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+        expected = (
+            int(model_inputs["image_grid_thw"][0].prod()) // proc.image_processor.merge_size**2
+        )
+        got = int((model_inputs["input_ids"][0] == image_id).sum())
+        if got != expected:
+            raise ValueError(
+                f"max_sequence_length: {length} text tokens cannot hold the {expected} image tokens"
+            )
+        out = enc(
+            input_ids=model_inputs["input_ids"],
+            attention_mask=model_inputs["attention_mask"],
+            pixel_values=model_inputs["pixel_values"].to(enc.dtype),
+            image_grid_thw=model_inputs["image_grid_thw"],
+            output_hidden_states=True,
+        )
+        hidden = out.hidden_states[-1].float()
+        mask_in = model_inputs["attention_mask"].bool()
+        embeds = hidden.new_zeros(len(texts), length, hidden.shape[-1])
+        mask = torch.zeros(len(texts), length, dtype=torch.long, device=hidden.device)
+        for i in range(len(texts)):
+            valid = hidden[i][mask_in[i]][drop:]
+            embeds[i, : valid.shape[0]] = valid
+            mask[i, : valid.shape[0]] = 1
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+    def encode_shared(self, **inputs: Any) -> dict[str, Tensor]:
+        """``image_latents`` (B, z_dim, h', w'): normalised VAE posterior mode of the image."""
+        unknown = set(inputs) - {"images"}
+        if unknown:
+            raise TypeError(f"encode: unexpected inputs {sorted(unknown)}")
+        img = self._images(inputs.get("images")).to(self.device)
+        vae = self.components["vae"]
+        x = (img * 2 - 1).unsqueeze(2).to(vae.dtype)
+        z = vae.encode(x).latent_dist.mode()[:, :, 0].float()
+        cfg = vae.config
+        mean = torch.tensor(cfg.latents_mean, device=z.device).view(1, -1, 1, 1)
+        std = torch.tensor(cfg.latents_std, device=z.device).view(1, -1, 1, 1)
+        return {"image_latents": (z - mean) / std}
+
+    def transformer_forward(
+        self, latents: Tensor, sigma: Tensor, condition: dict[str, Tensor], params: Any
+    ) -> Tensor:
+        """Noisy tokens then condition-image tokens on one axis; output cropped to the noisy ones."""
+        b, _, h, w = latents.shape
+        cond = condition["image_latents"]
+        ch, cw = cond.shape[-2:]
+        x = pack(latents)
+        tokens = torch.cat([x, pack(cond.to(latents.dtype))], dim=1)
+        dt = self.model.dtype
+        out = self.model(
+            hidden_states=tokens.to(dt),
+            encoder_hidden_states=condition["prompt_embeds"].to(dt),
+            encoder_hidden_states_mask=condition["prompt_embeds_mask"],
+            timestep=sigma.to(dt),
+            img_shapes=[[(1, h // 2, w // 2), (1, ch // 2, cw // 2)]] * b,
+            return_dict=False,
+        )[0]
+        return unpack(out[:, : x.shape[1]], h, w)
+
+
+@register_tiny("qwen_image_edit")
+def build_tiny_qwen_image_edit(path: Path, seed: int) -> None:
+    """Tiny Qwen-Image-Edit folder: the tiny Qwen-Image components plus a ``Qwen2VLProcessor``
+    (patch 4, merge 2: a 32 px image is 16 vision tokens); condition size 32x32, 48 text tokens
+    (16 image + 32 text)."""
+    from diffusers import QwenImageEditPipeline
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    comps = tiny_qwen_components(seed)
+    kw = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2}
+    kw.update(min_pixels=8 * 8, max_pixels=64 * 64)
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**kw),
+        tokenizer=comps["tokenizer"],
+        video_processor=Qwen2VLVideoProcessor(**kw),
+    )
+    QwenImageEditPipeline(processor=processor, **comps).save_pretrained(
+        path, safe_serialization=True
+    )
+    write_adapter_options(path, max_sequence_length=48, condition_size=[32, 32])
