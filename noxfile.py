@@ -53,7 +53,7 @@ def _test_env() -> dict[str, str]:
     return env
 
 
-def _pytest(session: nox.Session, python: str, package: str) -> None:
+def _pytest(session: nox.Session, python: str, package: str, *args: str) -> None:
     session.run(
         python,
         "-m",
@@ -62,7 +62,7 @@ def _pytest(session: nox.Session, python: str, package: str) -> None:
         "-q",
         "-p",
         "no:cacheprovider",
-        *session.posargs,
+        *args,
         env=_test_env(),
         external=True,
     )
@@ -86,13 +86,13 @@ def contracts(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Every package's tests, one pytest run per package (as their standalone runs do)."""
     for package in PACKAGES:
-        _pytest(session, sys.executable, package)
+        _pytest(session, sys.executable, package, *session.posargs)
 
 
 for _package in PACKAGES:
 
     def _one_package(session: nox.Session, package: str = _package) -> None:
-        _pytest(session, sys.executable, package)
+        _pytest(session, sys.executable, package, *session.posargs)
 
     _one_package.__doc__ = f"{_package}'s tests in the workspace environment."
     nox.session(name=f"tests-{_package}", venv_backend="none")(_one_package)
