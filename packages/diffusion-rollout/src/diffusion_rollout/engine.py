@@ -1,0 +1,398 @@
+"""`EmbeddedEngine`: request-level batching of diffusion rollouts in one process.
+
+Requests whose ``params.compat_key()`` agree are packed into one ``denoiser.velocity`` call
+(a *wave*) of up to ``max_num_seqs`` rows. Every random draw of a request comes from its own
+``torch.Generator("cpu").manual_seed(seed)``, in this order (docs/interfaces.md):
+
+1. the SDE window start (``omni_algos.sde.sample_windows``),
+2. the initial latents (``denoiser.init_latents(..., generators=[g, ...])``, one row per g),
+3. the SDE noise of each window step, in step order (``omni_algos.sde.step`` with one
+   generator per row). Steps outside a row's window are ODE steps
+   ``x_next = x + (sigma_next - sigma) v`` and draw nothing.
+
+So a request's trajectory does not depend on which requests shared its waves, nor on their
+order: only the transformer's batched kernels can differ, by float rounding (measured in the
+tests and the benchmark).
+
+The scheduler runs in one background thread, so the asyncio loop of a caller (or of the HTTP
+server) stays free while a wave computes; ``generate`` is a coroutine over that thread,
+``generate_many`` a blocking convenience that needs no event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .params import RolloutRequest
+from .types import (
+    Denoiser,
+    EngineClosed,
+    RequestAborted,
+    Trajectory,
+    VersionMismatchError,
+)
+from .wave import denoise_wave
+
+__all__ = ["EmbeddedEngine"]
+
+
+@dataclass
+class _Entry:
+    request: RolloutRequest
+    future: concurrent.futures.Future
+    key: tuple
+    version: int | None
+    t_submit: float
+
+
+@dataclass
+class _Stats:
+    waves: int = 0
+    requests: int = 0
+    forwards: int = 0
+    rows: int = 0
+    queue_wait_s: float = 0.0
+    step_s: float = 0.0
+    wave_s: float = 0.0
+    failed: int = 0
+    aborted: int = 0
+    version_errors: int = 0
+
+
+def _sched_key(request: RolloutRequest) -> tuple:
+    # compat_key without its weights_version slot: requests pinned to the current version and
+    # requests that take any version run on the same weights, so they may share a wave.
+    return request.params.compat_key()[:-1]
+
+
+class EmbeddedEngine:
+    """Request-batched rollout engine around a `Denoiser`.
+
+    Args:
+        denoiser: any object with the `Denoiser` methods.
+        max_num_seqs: the most requests packed into one forward (rows; guidance doubles the
+            rows the transformer itself sees, see the README).
+        max_wait_ms: how long the oldest waiting request may wait for more compatible
+            requests to arrive before a wave below ``max_num_seqs`` starts (0: start at once).
+        version: the weights version the denoiser starts with.
+        version_timeout_s: how long a request pinned to a version the engine does not have
+            yet waits for `update_weights` before it fails with `VersionMismatchError`.
+
+    Example:
+        >>> engine = EmbeddedEngine(denoiser, max_num_seqs=16)
+        >>> trajs = engine.generate_many([RolloutRequest("a cat", seed=i, params=p) for i in range(32)])
+    """
+
+    def __init__(
+        self,
+        denoiser: Denoiser,
+        max_num_seqs: int = 16,
+        max_wait_ms: float = 0,
+        *,
+        version: int = 0,
+        version_timeout_s: float = 60.0,
+    ) -> None:
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        if max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
+        if version_timeout_s < 0:
+            raise ValueError(f"version_timeout_s must be >= 0, got {version_timeout_s}")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be an integer >= 0, got {version!r}")
+        for name in ("encode", "init_latents", "sigmas", "velocity"):
+            if not callable(getattr(denoiser, name, None)):
+                raise TypeError(f"denoiser has no method {name!r} (see diffusion_rollout.Denoiser)")
+        self.denoiser = denoiser
+        self.max_num_seqs = max_num_seqs
+        self.max_wait_s = float(max_wait_ms) / 1000.0
+        self.version_timeout_s = float(version_timeout_s)
+        self._version = version
+        self._queue: list[_Entry] = []
+        self._cond = threading.Condition()
+        self._compute_lock = threading.Lock()
+        self._updates_waiting = 0
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._stats = _Stats()
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def version(self) -> int:
+        """The weights version the next wave runs on."""
+        return self._version
+
+    def submit(self, request: RolloutRequest) -> concurrent.futures.Future:
+        """Queue one request; returns a `concurrent.futures.Future` of its `Trajectory`."""
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: Iterable[RolloutRequest]) -> list[concurrent.futures.Future]:
+        """Queue many requests at once (they can all join the first wave)."""
+        entries = []
+        now = time.monotonic()
+        for i, req in enumerate(requests):
+            if not isinstance(req, RolloutRequest):
+                raise TypeError(f"requests[{i}] is a {type(req).__name__}, not a RolloutRequest")
+            if not req.request_id:
+                req = RolloutRequest(
+                    req.prompt, req.seed, req.params, f"req-{next(self._ids)}", req.negative_prompt
+                )
+            entries.append(
+                _Entry(
+                    req,
+                    concurrent.futures.Future(),
+                    _sched_key(req),
+                    req.params.weights_version,
+                    now,
+                )
+            )
+        with self._cond:
+            if self._closed:
+                raise EngineClosed("the engine is closed")
+            self._queue.extend(entries)
+            self._ensure_thread()
+            self._cond.notify_all()
+        return [e.future for e in entries]
+
+    async def generate(self, request: RolloutRequest) -> Trajectory:
+        """Roll out one request; waits for its wave."""
+        return await asyncio.wrap_future(self.submit(request))
+
+    async def agenerate_many(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        """Roll out many requests; trajectories in request order."""
+        futs = self.submit_many(requests)
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futs)))
+
+    def generate_many(
+        self, requests: Sequence[RolloutRequest], *, progress: bool = False
+    ) -> list[Trajectory]:
+        """Blocking: roll out many requests, trajectories in request order.
+
+        Needs no event loop (the scheduler is a thread), so it also works from code that
+        has none running. The first failed request's error is raised after all finished.
+        """
+        futs = self.submit_many(requests)
+        if progress:
+            from tqdm.auto import tqdm
+
+            with tqdm(total=len(futs), desc="rollout", unit="req") as bar:
+                for _ in concurrent.futures.as_completed(futs):
+                    bar.update(1)
+        concurrent.futures.wait(futs)
+        return [f.result() for f in futs]
+
+    def update_weights(self, tensors: dict[str, Tensor], version: int) -> None:
+        """Load new trainable weights as ``version``, atomically.
+
+        A wave in flight finishes on the old weights; no new wave starts until the load is
+        done; requests pinned to ``version`` that were waiting run next. Versions only go up.
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"update_weights: version must be an integer >= 0, got {version!r}")
+        if not isinstance(tensors, dict) or not all(
+            isinstance(t, Tensor) for t in tensors.values()
+        ):
+            raise ValueError("update_weights: tensors must be a dict of name -> torch.Tensor")
+        load = getattr(self.denoiser, "load_weights", None)
+        if not callable(load):
+            raise TypeError("update_weights: the denoiser has no load_weights(tensors) method")
+        with self._cond:
+            self._updates_waiting += 1
+        try:
+            with self._compute_lock:
+                if version <= self._version:
+                    raise ValueError(
+                        f"update_weights: version {version} is not newer than the engine's "
+                        f"version {self._version}"
+                    )
+                with torch.no_grad():
+                    load(tensors)
+                with self._cond:
+                    self._version = version
+        finally:
+            with self._cond:
+                self._updates_waiting -= 1
+                self._cond.notify_all()
+
+    def abort(self, request_id: str) -> int:
+        """Abort queued (not yet running) requests with this id; returns how many. Their
+        futures raise `RequestAborted` (a client may retry them)."""
+        with self._cond:
+            hit = [e for e in self._queue if e.request.request_id == request_id]
+            self._queue = [e for e in self._queue if e.request.request_id != request_id]
+            self._stats.aborted += len(hit)
+        for e in hit:
+            e.future.set_exception(RequestAborted(f"request {request_id!r} was aborted"))
+        return len(hit)
+
+    def stats(self) -> dict[str, Any]:
+        """Waves run, mean rows per forward, mean queue wait, mean time per denoising step."""
+        with self._cond:
+            s = self._stats
+            return {
+                "waves": s.waves,
+                "requests": s.requests,
+                "forwards": s.forwards,
+                "rows": s.rows,
+                "mean_rows_per_forward": s.rows / s.forwards if s.forwards else 0.0,
+                "mean_queue_wait_s": s.queue_wait_s / s.requests if s.requests else 0.0,
+                "mean_step_s": s.step_s / s.forwards if s.forwards else 0.0,
+                "wave_s": s.wave_s,
+                "failed": s.failed,
+                "aborted": s.aborted,
+                "version_errors": s.version_errors,
+                "pending": len(self._queue),
+                "version": self._version,
+                "max_num_seqs": self.max_num_seqs,
+                "max_wait_ms": self.max_wait_s * 1000.0,
+            }
+
+    def close(self) -> None:
+        """Abort the queued requests (`EngineClosed`), let a wave in flight finish, stop."""
+        with self._cond:
+            self._closed = True
+            pending, self._queue = self._queue, []
+            self._cond.notify_all()
+            thread = self._thread
+        for e in pending:
+            e.future.set_exception(EngineClosed("the engine was closed before this request ran"))
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def __enter__(self) -> EmbeddedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- scheduler
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._loop, name="diffusion-rollout-scheduler", daemon=True
+            )
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                wave = self._next_wave_locked()
+            if wave is None:
+                return
+            self._run_wave(wave)
+
+    def _expire_locked(self, now: float) -> None:
+        keep = []
+        for e in self._queue:
+            if e.future.cancelled():
+                continue
+            v = e.version
+            if v is not None and v < self._version:
+                self._stats.version_errors += 1
+                e.future.set_exception(
+                    VersionMismatchError(
+                        f"request {e.request.request_id!r} asks for weights version {v}, but "
+                        f"the engine is at version {self._version} (old weights are not kept)"
+                    )
+                )
+            elif v is not None and v > self._version and now - e.t_submit > self.version_timeout_s:
+                self._stats.version_errors += 1
+                e.future.set_exception(
+                    VersionMismatchError(
+                        f"request {e.request.request_id!r} asks for weights version {v}; the "
+                        f"engine is at version {self._version} and no update_weights brought "
+                        f"version {v} within {self.version_timeout_s:g} s"
+                    )
+                )
+            else:
+                keep.append(e)
+        self._queue = keep
+
+    def _next_wave_locked(self) -> list[_Entry] | None:
+        while True:
+            if self._closed:
+                return None
+            if self._updates_waiting:
+                self._cond.wait()
+                continue
+            now = time.monotonic()
+            self._expire_locked(now)
+            cur = self._version
+            runnable = [e for e in self._queue if e.version is None or e.version == cur]
+            if runnable:
+                key = runnable[0].key
+                group = [e for e in runnable if e.key == key][: self.max_num_seqs]
+                if len(group) < self.max_num_seqs and self.max_wait_s > 0:
+                    wait_until = group[0].t_submit + self.max_wait_s
+                    if now < wait_until:
+                        self._cond.wait(wait_until - now)
+                        continue
+                chosen = {id(e) for e in group}
+                self._queue = [e for e in self._queue if id(e) not in chosen]
+                claimed = [e for e in group if e.future.set_running_or_notify_cancel()]
+                if claimed:
+                    return claimed
+                continue
+            waiting = [e.t_submit + self.version_timeout_s for e in self._queue]
+            timeout = max(min(waiting) - now, 0.0) + 1e-3 if waiting else None
+            self._cond.wait(timeout)
+
+    def _run_wave(self, entries: list[_Entry]) -> None:
+        with self._compute_lock:
+            t_start = time.monotonic()
+            version = self._version
+            ok: list[_Entry] = []
+            for e in entries:
+                if e.version is not None and e.version != version:
+                    with self._cond:
+                        self._stats.version_errors += 1
+                    e.future.set_exception(
+                        VersionMismatchError(
+                            f"request {e.request.request_id!r} asks for weights version "
+                            f"{e.version}; the engine moved to version {version} first"
+                        )
+                    )
+                else:
+                    ok.append(e)
+            if not ok:
+                return
+            try:
+                with torch.no_grad():
+                    trajs, forwards, step_s = denoise_wave(
+                        self.denoiser,
+                        [e.request for e in ok],
+                        version=version,
+                        t_start=t_start,
+                        t_submit=[e.t_submit for e in ok],
+                    )
+            except BaseException as exc:  # the wave fails, the engine keeps serving
+                with self._cond:
+                    self._stats.failed += len(ok)
+                for e in ok:
+                    e.future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            t_end = time.monotonic()
+            with self._cond:
+                s = self._stats
+                s.waves += 1
+                s.requests += len(ok)
+                s.forwards += forwards
+                s.rows += forwards * len(ok)
+                s.queue_wait_s += sum(t_start - e.t_submit for e in ok)
+                s.step_s += step_s
+                s.wave_s += t_end - t_start
+        for e, traj in zip(ok, trajs):
+            e.future.set_result(traj)

@@ -1,0 +1,212 @@
+"""One wave of the rollout: the shared-forward denoising loop with per-row randomness.
+
+Every random draw of a request comes from its own ``torch.Generator("cpu").manual_seed(seed)``,
+in the order of docs/interfaces.md:
+
+1. the SDE window start (``omni_algos.sde.sample_windows``),
+2. the initial latents (``denoiser.init_latents(..., generators=[g, ...])``, one row per g),
+3. the SDE noise of each window step, in step order (``omni_algos.sde.step`` with one
+   generator per row). Steps outside a row's window are ODE steps
+   ``x_next = x + (sigma_next - sigma) v`` and draw nothing.
+
+Rows of one wave may have different SDE kinds, noise levels and windows: after each shared
+forward the rows in their window are grouped by (kind, noise level) for the step. Used by
+`EmbeddedEngine` and by the vllm-omni pipeline, so both produce the same trajectories.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from omni_algos import sde
+
+from .params import RolloutRequest
+from .types import Denoiser, Trajectory
+
+__all__ = ["denoise_wave"]
+
+
+def denoise_wave(
+    denoiser: Denoiser,
+    requests: Sequence[RolloutRequest],
+    *,
+    version: int = 0,
+    t_start: float | None = None,
+    t_submit: Sequence[float] | None = None,
+) -> tuple[list[Trajectory], int, float]:
+    """Denoise one wave of compatible requests; every forward sees all rows.
+
+    Returns ``(trajectories, forwards, step_seconds)``. The requests must share
+    ``params.compat_key()`` (up to the weights version); see the module docstring for the
+    per-request random draws. Run it under ``torch.no_grad()``.
+    """
+    den = denoiser
+    reqs = list(requests)
+    if not reqs:
+        return [], 0, 0.0
+    key = reqs[0].params.compat_key()[:-1]
+    for i, r in enumerate(reqs):
+        if r.params.compat_key()[:-1] != key:
+            raise ValueError(
+                f"denoise_wave: requests[{i}] is not compatible with requests[0] "
+                f"({r.params.compat_key()} vs {reqs[0].params.compat_key()})"
+            )
+    t_start = time.monotonic() if t_start is None else t_start
+    t_submit = [t_start] * len(reqs) if t_submit is None else list(t_submit)
+    params = reqs[0].params
+    batch = len(reqs)
+    num_steps = params.num_steps
+    gens = [torch.Generator("cpu").manual_seed(r.seed) for r in reqs]
+
+    # 1. window starts, from each row's own generator (groups of equal window settings).
+    windows: list[tuple[int, int]] = [(0, 0)] * batch
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for b, r in enumerate(reqs):
+        groups[(r.params.sde_window_size, r.params.window_range())].append(b)
+    for (size, (low, high)), rows in groups.items():
+        got = sde.sample_windows([gens[b] for b in rows], num_steps, size, low, high)
+        for b, w in zip(rows, got):
+            windows[b] = (int(w[0]), int(w[1]))
+
+    # Rows are packed sorted by (kind, noise level, window size, window start): then at every
+    # step the rows inside their window form one contiguous block per (kind, noise level,
+    # size), so the step works on views (no gather/scatter); results are returned in the
+    # request order. A row's result does not depend on its position in the batch.
+    def sort_key(b: int) -> tuple:
+        p = reqs[b].params
+        s, e = windows[b]
+        return (p.sde_kind, p.noise_level, e - s, s)
+
+    order = sorted(range(batch), key=sort_key)
+    reqs_s = [reqs[b] for b in order]
+    gens_s = [gens[b] for b in order]
+    win_s = [windows[b] for b in order]
+
+    # 2. initial latents (row k from gens_s[k]) and the condition.
+    t0 = time.monotonic()
+    x = den.init_latents(batch, params, gens_s)
+    if not isinstance(x, Tensor) or x.shape[0] != batch:
+        raise ValueError(
+            f"denoiser.init_latents returned {getattr(x, 'shape', type(x))}, expected a "
+            f"tensor with {batch} rows"
+        )
+    x = x.to(torch.float32)
+    negs = None
+    if any(r.negative_prompt is not None for r in reqs_s):
+        negs = [r.negative_prompt or "" for r in reqs_s]
+    cond = den.encode([r.prompt for r in reqs_s], negs)
+    sig_all = den.sigmas(params).to(device=x.device, dtype=torch.float32)
+    if sig_all.shape != (num_steps + 1,):
+        raise ValueError(
+            f"denoiser.sigmas returned shape {tuple(sig_all.shape)}, expected ({num_steps + 1},)"
+        )
+    t1 = time.monotonic()
+
+    # Per-step plan, small Python ints only: the step's segments [lo, hi) of sorted rows,
+    # each either an ODE segment (kind None) or the SDE block of one (kind, noise level).
+    blocks: dict[tuple, list[int]] = defaultdict(list)
+    for k, r in enumerate(reqs_s):
+        s, e = win_s[k]
+        blocks[(r.params.sde_kind, r.params.noise_level, e - s)].append(k)
+    plan: list[list[tuple[int, int, str | None, float]]] = []
+    for i in range(num_steps):
+        sde_segs = []
+        for (kind, nl, _), rows in blocks.items():
+            inside = [k for k in rows if win_s[k][0] <= i < win_s[k][1]]
+            if inside:
+                # contiguous by the sort order (equal sizes, ascending starts)
+                assert inside[-1] - inside[0] + 1 == len(inside), "window block not contiguous"
+                sde_segs.append((inside[0], inside[-1] + 1, kind, nl))
+        sde_segs.sort()
+        segs, pos = [], 0
+        for lo, hi, kind, nl in sde_segs:
+            if lo > pos:
+                segs.append((pos, lo, None, 0.0))
+            segs.append((lo, hi, kind, nl))
+            pos = hi
+        if pos < batch:
+            segs.append((pos, batch, None, 0.0))
+        plan.append(segs)
+    first = min(s for s, _ in win_s)
+    last = max(e for _, e in win_s)
+
+    xs: list[Tensor | None] = [None] * (num_steps + 1)  # x at each step inside some window
+    lps: list[Tensor | None] = [None] * num_steps  # (batch,) log-probs of each step
+    forwards = 0
+    step_s = 0.0
+    for i in range(num_steps):
+        ts = time.monotonic()
+        if first <= i <= last:
+            xs[i] = x
+        sig, sig_n = sig_all[i], sig_all[i + 1]
+        v = den.velocity(x, sig.expand(batch).contiguous(), cond, params).to(torch.float32)
+        forwards += 1
+        pieces, lp_pieces = [], []
+        for lo, hi, kind, nl in plan[i]:
+            xv, vv = (x, v) if hi - lo == batch else (x[lo:hi], v[lo:hi])
+            if kind is None:
+                pieces.append(xv + (sig_n - sig) * vv)
+                lp_pieces.append(None)
+            else:
+                out = sde.step(
+                    xv, vv, sig, sig_n, noise_level=nl, kind=kind, generator=gens_s[lo:hi]
+                )
+                pieces.append(out.prev_sample)
+                lp_pieces.append(out.log_prob)
+        x = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if any(lp is not None for lp in lp_pieces):
+            lps[i] = torch.cat(
+                [
+                    torch.zeros(hi - lo, dtype=torch.float32, device=x.device)
+                    if lp is None
+                    else lp.to(torch.float32)
+                    for lp, (lo, hi, _, _) in zip(lp_pieces, plan[i])
+                ]
+            )
+        step_s += time.monotonic() - ts
+    xs[num_steps] = x
+    t2 = time.monotonic()
+
+    media = None
+    if params.output in ("pixel", "both"):
+        media = den.decode(x)
+    t3 = time.monotonic()
+
+    # Per-row results are views into per-wave tensors (one stack each, no per-row copies).
+    lat_all = torch.stack([xs[j] for j in range(first, last + 1)], dim=1)  # (B, T, ...)
+    zeros = torch.zeros(batch, dtype=torch.float32, device=x.device)
+    logp_all = torch.stack([zeros if lp is None else lp for lp in lps], dim=1)  # (B, steps)
+    sig_own = sig_all.clone()
+    trajs: list[Trajectory | None] = [None] * batch
+    for k, r in enumerate(reqs_s):
+        s, e = win_s[k]
+        b = order[k]
+        trajs[b] = Trajectory(
+            request_id=r.request_id,
+            prompt=r.prompt,
+            seed=r.seed,
+            window=(s, e),
+            latents=lat_all[k, s - first : e - first + 1],
+            log_probs=logp_all[k, s:e],
+            sigmas=sig_own[s:e],
+            sigmas_next=sig_own[s + 1 : e + 1],
+            final_latent=None if params.output == "pixel" else x[k],
+            media=None if media is None else media[k],
+            condition={key: t[k] for key, t in cond.items()},
+            version=version,
+            timings={
+                "queue_s": t_start - t_submit[b],
+                "encode_s": t1 - t0,
+                "denoise_s": t2 - t1,
+                "decode_s": t3 - t2,
+                "total_s": t3 - t_submit[b],
+            },
+            negative_prompt=r.negative_prompt,
+            params=r.params,
+        )
+    return trajs, forwards, step_s  # type: ignore[return-value]
