@@ -5,6 +5,7 @@
     uv run nox -s lint           ruff check + ruff format --check
     uv run nox -s contracts      DESIGN.md's import rules (import-linter, root pyproject)
     uv run nox -s standalone     each package's wheel alone in a fresh venv, its tests there
+    uv run nox -s tests-verl     the verl backend's tests in the lock's verl environment
     uv run nox -s bench          the benchmark scripts (print measured ratios)
 
 `tests`, `lint` and `contracts` run in the environment nox itself runs in (the workspace venv
@@ -37,7 +38,7 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     "diffusion-rollout": (["omni-algos"], ["server", "test"]),
     "omni-train": (
         ["omni-algos", "omni-rewards", "omni-adapters", "diffusion-rollout"],
-        ["tensorboard", "test"],
+        ["tensorboard", "ray", "test"],
     ),
 }
 
@@ -53,12 +54,12 @@ def _test_env() -> dict[str, str]:
     return env
 
 
-def _pytest(session: nox.Session, python: str, package: str, *args: str) -> None:
+def _pytest(session: nox.Session, python: str, package: str, *args: str, target: str = "") -> None:
     session.run(
         python,
         "-m",
         "pytest",
-        f"packages/{package}/tests",
+        target or f"packages/{package}/tests",
         "-q",
         "-p",
         "no:cacheprovider",
@@ -132,6 +133,27 @@ def standalone(session: nox.Session) -> None:
         )
         # Run from a folder outside the repo's src/ trees: imports resolve to the wheel.
         _pytest(session, python, package)
+
+
+@nox.session(name="tests-verl", venv_backend="none")
+def tests_verl(session: nox.Session) -> None:
+    """The verl hand-off's registry tests, in verl's own environment: verl pins transformers
+    < 5.11, so it gets the lock's `verl` fork in a separate venv instead of the workspace's."""
+    env_dir = ROOT / ".nox" / "verl-env"
+    session.run(
+        "uv",
+        "sync",
+        "--locked",
+        "--quiet",
+        "--extra",
+        "verl",
+        env={"UV_PROJECT_ENVIRONMENT": str(env_dir)},
+        external=True,
+    )
+    test_file = "packages/omni-train/tests/test_verl_backend.py"
+    _pytest(
+        session, str(env_dir / "bin" / "python"), "omni-train", *session.posargs, target=test_file
+    )
 
 
 def _wheel(dist: Path, package: str) -> Path:
