@@ -796,9 +796,23 @@ class OmniModelBase:
         # sorted: under FSDP2 each DTensor is all-gathered, a collective every rank runs in
         # the same order
         return {
-            prefix + k: _full(tensors[k]).to(device="cpu", dtype=torch.float32).contiguous().clone()
+            prefix + self.checkpoint_name(k): _full(tensors[k])
+            .to(device="cpu", dtype=torch.float32)
+            .contiguous()
+            .clone()
             for k in sorted(tensors)
         }
+
+    def checkpoint_name(self, name: str) -> str:
+        """The name a parameter of the trainable model has in the family's released
+        checkpoint. The identity here; a family whose transformers module tree differs from
+        its checkpoint layout (it changes between transformers releases) overrides this and
+        :meth:`module_name`, so exported weights keep one layout for the rollout engine."""
+        return name
+
+    def module_name(self, name: str) -> str:
+        """The inverse of :meth:`checkpoint_name`."""
+        return name
 
     def save_peft_adapter(
         self, path: str | os.PathLike[str], *, adapter_name: str | None = None
@@ -830,7 +844,9 @@ class OmniModelBase:
             own = self.adapter_state(name)
         else:
             own = dict(self.model.named_parameters())
-        incoming = {k.removeprefix(self.vllm_omni_prefix): v for k, v in tensors.items()}
+        incoming = {
+            self.module_name(k.removeprefix(self.vllm_omni_prefix)): v for k, v in tensors.items()
+        }
         unknown = sorted(set(incoming) - set(own))
         if unknown:
             raise ValueError(f"load_weights: unknown tensor names, e.g. {unknown[:3]}")

@@ -57,7 +57,17 @@ FAMILY = "qwen3_omni_thinker"
 #: LoRA stays out of the vision and audio towers (the audio tower also has q/k/v_proj).
 #: A regex *target* is not used: peft rewrites it to name suffixes for transformers models,
 #: which would bind the audio tower's projections too; a regex *exclude* is kept as is.
-LORA_EXCLUDE_REGEX = r"(audio_tower|visual)\..*"
+#: The towers sit at the thinker's top level up to transformers 5.14 and under ``model.``
+#: from later releases, hence the optional prefix.
+LORA_EXCLUDE_REGEX = r"(.*\.)?(audio_tower|visual)\..*"
+
+#: transformers > 5.14 nests the thinker as ``model.{language_model, audio_tower, visual}``;
+#: released checkpoints (and vllm-omni) use ``model.layers``, ``audio_tower``, ``visual``.
+_NESTED_TO_CHECKPOINT = (
+    ("model.language_model.", "model."),
+    ("model.audio_tower.", "audio_tower."),
+    ("model.visual.", "visual."),
+)
 
 #: keys of a processor batch that carry multimodal inputs into the thinker forward
 _MM_KEYS = (
@@ -133,9 +143,7 @@ class Qwen3OmniThinkerAdapter(ThinkerAdapter):
         for name in skip:
             if name in ("talker", "code2wav", "processor", "tokenizer"):
                 continue
-            if not hasattr(thinker, name):
-                raise ValueError(f"strip: {name!r} is not a submodule of the thinker")
-            delattr(thinker, name)
+            delattr(_tower_owner(thinker, name), name)
         thinker.to(device=device, dtype=dtype).eval()
         out: dict[str, Any] = {"thinker": thinker}
         if "processor" not in skip:
@@ -153,6 +161,24 @@ class Qwen3OmniThinkerAdapter(ThinkerAdapter):
         if text not in present:
             raise ValueError(f"no_split_modules: {text} not found in {type(self.model).__name__}")
         return [present[n] for n in self.no_split_modules if n in present]
+
+    def checkpoint_name(self, name: str) -> str:
+        """Module names of the nested layout (transformers > 5.14) in checkpoint layout."""
+        if not _is_nested(self.thinker):
+            return name
+        for nested, flat in _NESTED_TO_CHECKPOINT:
+            if name.startswith(nested):
+                return flat + name[len(nested) :]
+        return name
+
+    def module_name(self, name: str) -> str:
+        """Checkpoint-layout names back to this transformers release's module names."""
+        if not _is_nested(self.thinker):
+            return name
+        for nested, flat in _NESTED_TO_CHECKPOINT:
+            if name.startswith(flat):
+                return nested + name[len(flat) :]
+        return name
 
     @property
     def thinker(self) -> nn.Module:
@@ -444,6 +470,24 @@ class Qwen3OmniThinkerOnlyAdapter(Qwen3OmniThinkerAdapter):
     """The same adapter for a checkpoint saved as the thinker alone."""
 
     vllm_omni_prefix: ClassVar[str] = "base_model.model."
+
+
+def _is_nested(thinker: nn.Module) -> bool:
+    """Whether the thinker uses the nested layout (``model.language_model`` and the towers
+    under ``model``), as transformers > 5.14 builds it."""
+    inner = getattr(thinker, "model", None)
+    return isinstance(inner, nn.Module) and isinstance(
+        getattr(inner, "language_model", None), nn.Module
+    )
+
+
+def _tower_owner(thinker: nn.Module, name: str) -> nn.Module:
+    """The module holding the submodule ``name`` (``audio_tower``, ``visual``) in either
+    layout: the thinker itself, or its ``model`` in the nested one."""
+    owner = thinker.model if _is_nested(thinker) else thinker
+    if not isinstance(getattr(owner, name, None), nn.Module) or name in ("model", "lm_head"):
+        raise ValueError(f"strip: {name!r} is not a tower of the thinker (audio_tower, visual)")
+    return owner
 
 
 def _load_thinker(path: Path, *, audio_output: bool = False) -> nn.Module:
