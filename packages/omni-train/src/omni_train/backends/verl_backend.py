@@ -1,0 +1,512 @@
+"""`trainer.backend: verl`: hand the omni (autoregressive) path to verl's PPO trainer.
+
+verl pins an older transformers than this workspace, so it lives in its own environment
+(`UV_PROJECT_ENVIRONMENT=.venv-verl uv sync --extra verl`, see docs/scaling.md). This module
+imports verl only inside the functions that need it:
+
+- `build_verl_config(recipe)`: a plain nested dict of verl's Hydra config (ppo_trainer)
+  from our recipe; `to_overrides(config)` flattens it to `key=value` command-line overrides.
+  Both are pure and tested without verl.
+- `verl_policy_loss(name)`: our `omni_algos.losses` GRPO / GSPO in verl's policy-loss
+  signature `(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+  rollout_is_weights) -> (loss, metrics)`; `omni_group_advantage`: our group-relative
+  advantage in verl's estimator signature; `omni_compute_score`: our rewards in verl's
+  `custom_reward_function` signature. All callable without verl.
+- `register_into_verl()`: puts them into verl's registries (`register_policy_loss`,
+  `register_adv_est` from `verl.trainer.ppo.core_algos`; the reward manager registry in
+  `verl.workers.reward_manager`). verl's Ray workers import
+  `actor_rollout_ref.model.external_lib`, which we point at `omni_train.backends.verl_register`
+  so the registration also happens inside every worker process.
+- `run_verl(recipe, run_dir)`: writes the dataset, exports the Qwen3-Omni thinker through our
+  adapter (talker and code2wav stripped) and starts `python -m verl.trainer.main_ppo`.
+
+The registry names (checked against verl's `core_algos.py`): policy losses `omni_grpo`,
+`omni_gspo`; advantage estimator `omni_group`; reward manager `omni`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import TrainError
+from ..recipe import Recipe, RecipeError
+
+__all__ = [
+    "ADV_ESTIMATOR",
+    "LOSS_NAMES",
+    "REWARD_MANAGER",
+    "build_verl_config",
+    "omni_compute_score",
+    "omni_group_advantage",
+    "register_into_verl",
+    "run_verl",
+    "to_overrides",
+    "verl_available",
+    "verl_policy_loss",
+]
+
+#: our loss name -> the name it gets in verl's policy-loss registry
+LOSS_NAMES = {"grpo": "omni_grpo", "gspo": "omni_gspo"}
+ADV_ESTIMATOR = "omni_group"
+REWARD_MANAGER = "omni"
+#: verl loss_agg_mode -> our `agg`
+_AGG = {
+    "token-mean": "token-mean",
+    "seq-mean-token-mean": "seq-mean-token-mean",
+    "seq-mean-token-sum": "seq-mean-token-sum",
+    "seq-mean-token-sum-norm": "seq-mean-token-sum-norm",
+}
+
+
+def verl_available() -> bool:
+    """True when verl can be imported (its own environment)."""
+    try:
+        import verl  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+
+
+def _omni_checks(recipe: Recipe) -> None:
+    if recipe.algorithm.name not in LOSS_NAMES:
+        raise RecipeError(
+            f"algorithm.name: backend verl runs the omni path with {sorted(LOSS_NAMES)}, "
+            f"got {recipe.algorithm.name!r}"
+        )
+    if recipe.reward.name is None:
+        raise RecipeError("reward.name: backend verl takes one named reward (not reward.terms)")
+
+
+def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
+    node = cfg
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"trainer.verl: {dotted!r} goes through a value, not a section")
+    node[parts[-1]] = value
+
+
+def build_verl_config(
+    recipe: Recipe,
+    *,
+    model_path: str | None = None,
+    train_files: str | None = None,
+    val_files: str | None = None,
+    run_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """verl's PPO config (as a nested dict) for the omni path of `recipe`.
+
+    Mapping: `data.prompts_per_step` -> `data.train_batch_size`; `rollout.n` ->
+    `actor_rollout_ref.rollout.n`; `lora.*` -> `actor_rollout_ref.model.lora_*`;
+    `optimizer.*` -> `actor_rollout_ref.actor.optim.*` and `grad_clip`;
+    `algorithm.name` -> `actor_rollout_ref.actor.policy_loss.loss_mode` = `omni_<name>`;
+    `algorithm.clip_range` -> `clip_ratio(_low/_high)`; `algorithm.num_minibatches` ->
+    `ppo_mini_batch_size` (prompts per optimizer step); `algorithm.epochs` -> `ppo_epochs`;
+    `algorithm.kl_beta` -> `use_kl_loss` / `kl_loss_coef`; `algorithm.adv_std` ->
+    `algorithm.norm_adv_by_std_in_grpo`; the reward -> `custom_reward_function` with our
+    `omni_compute_score`; `trainer.nnodes/gpus_per_node/steps` -> `trainer.*`. Finally every
+    `trainer.verl` entry (dotted key -> value) is set on top.
+    """
+    _omni_checks(recipe)
+    r = recipe
+    a = r.algorithm
+    run = Path(run_dir) if run_dir is not None else r.output_dir()
+    opts = dict(a.options)
+    clip_low = float(opts.pop("clip_low", a.clip_range))
+    clip_high = float(opts.pop("clip_high", a.clip_range))
+    agg = str(opts.pop("agg", "seq-mean-token-mean" if a.name == "gspo" else "token-mean"))
+    if agg not in _AGG:
+        raise RecipeError(f"algorithm.options.agg: {agg!r} is not one of {sorted(_AGG)}")
+    if r.data.prompts_per_step % a.num_minibatches:
+        raise RecipeError("algorithm.num_minibatches: must divide data.prompts_per_step (verl)")
+    gpus = max(r.trainer.gpus_per_node, 1)
+    model: dict[str, Any] = {
+        "path": model_path or r.model.path,
+        "external_lib": "omni_train.backends.verl_register",
+        "enable_gradient_checkpointing": bool(r.model.options.get("gradient_checkpointing", True)),
+        "use_remove_padding": True,
+    }
+    if tuple(r.optimizer.betas) != (0.9, 0.999):
+        extra_optim = {"betas": list(r.optimizer.betas)}
+    else:
+        extra_optim = {}
+    if r.lora.enabled:
+        model.update(
+            lora_rank=r.lora.rank,
+            lora_alpha=r.lora.alpha,
+            target_modules=list(r.lora.target_modules) if r.lora.target_modules else "all-linear",
+        )
+    cfg: dict[str, Any] = {
+        "data": {
+            "train_files": train_files or str(run / "verl_data" / "train.parquet"),
+            "val_files": val_files or str(run / "verl_data" / "val.parquet"),
+            "train_batch_size": r.data.prompts_per_step,
+            "prompt_key": "prompt",
+            "reward_fn_key": "data_source",
+            "max_prompt_length": 1024,
+            "max_response_length": 1024,
+            "shuffle": r.data.shuffle,
+        },
+        "actor_rollout_ref": {
+            "model": model,
+            "hybrid_engine": True,
+            "actor": {
+                "strategy": "fsdp2",
+                "optim": {
+                    "lr": r.optimizer.lr,
+                    "weight_decay": r.optimizer.weight_decay,
+                    **extra_optim,
+                },
+                "grad_clip": r.optimizer.grad_clip,
+                "ppo_mini_batch_size": r.data.prompts_per_step // a.num_minibatches,
+                "ppo_micro_batch_size_per_gpu": 1,
+                "ppo_epochs": a.epochs,
+                "clip_ratio": a.clip_range,
+                "clip_ratio_low": clip_low,
+                "clip_ratio_high": clip_high,
+                "loss_agg_mode": agg,
+                "policy_loss": {"loss_mode": LOSS_NAMES[a.name]},
+                "use_kl_loss": a.kl_beta > 0,
+                "kl_loss_coef": a.kl_beta,
+                "fsdp_config": {"param_offload": False, "optimizer_offload": False},
+            },
+            "rollout": {
+                "name": "vllm",
+                "n": r.rollout.n,
+                "tensor_model_parallel_size": 1,
+                "gpu_memory_utilization": 0.5,
+                "log_prob_micro_batch_size_per_gpu": 1,
+            },
+            "ref": {"log_prob_micro_batch_size_per_gpu": 1},
+        },
+        "algorithm": {
+            "adv_estimator": ADV_ESTIMATOR,
+            "norm_adv_by_std_in_grpo": a.adv_std != "none",
+            "use_kl_in_reward": False,
+        },
+        "reward_model": {"enable": False, "reward_manager": REWARD_MANAGER},
+        "custom_reward_function": {
+            "path": str(Path(__file__).resolve()),
+            "name": "omni_compute_score",
+            "reward_kwargs": {"reward": r.reward.name, "options": dict(r.reward.options)},
+        },
+        "trainer": {
+            "nnodes": r.trainer.nnodes,
+            "n_gpus_per_node": gpus,
+            "total_training_steps": r.trainer.steps,
+            "total_epochs": 1_000_000,
+            "project_name": "omni-rl",
+            "experiment_name": r.experiment,
+            "logger": ["console"],
+            "default_local_dir": str(run / "verl_checkpoints"),
+            "save_freq": r.trainer.save_every or -1,
+            "test_freq": r.trainer.val_every or -1,
+            "val_before_train": False,
+        },
+    }
+    for key, value in r.trainer.verl.items():
+        _set(cfg, key, value)
+    return cfg
+
+
+def _hydra(v: Any) -> str:
+    """A value in Hydra's override grammar: `true`, `null`, numbers, bare or quoted strings,
+    `[a,b]` lists and `{k:v}` dicts."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        bare = v and all(c.isalnum() or c in "_-./+" for c in v) and v not in ("true", "null")
+        return v if bare else "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_hydra(x) for x in v) + "]"
+    if isinstance(v, dict):
+        for k in v:
+            if not (isinstance(k, str) and k.replace("_", "a").isalnum()):
+                raise RecipeError(f"verl config: key {k!r} is not a plain identifier")
+        return "{" + ",".join(f"{k}:{_hydra(x)}" for k, x in v.items()) + "}"
+    raise RecipeError(f"verl config: cannot express {type(v).__name__} value {v!r} for Hydra")
+
+
+#: dict-valued keys that are passed as one value (not expanded into dotted keys)
+_LEAF_DICTS = ("custom_reward_function.reward_kwargs",)
+
+
+def to_overrides(cfg: dict[str, Any], prefix: str = "") -> list[str]:
+    """Hydra command-line overrides `a.b.c=value`, sorted so the command line is stable."""
+    out: list[str] = []
+    for k in sorted(cfg):
+        v = cfg[k]
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and key not in _LEAF_DICTS:
+            out.extend(to_overrides(v, key + "."))
+        else:
+            out.append(f"{key}={_hydra(v)}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# losses, advantages, rewards in verl's signatures
+
+
+def _cfg_get(config: Any, name: str, default: Any = None) -> Any:
+    if config is None:
+        return default
+    if isinstance(config, dict):
+        v = config.get(name, default)
+    else:
+        v = getattr(config, name, default)
+    return default if v is None else v
+
+
+def verl_policy_loss(name: str):
+    """Our `omni_algos.losses.<name>` as a verl policy loss.
+
+    verl passes `(old_log_prob, log_prob, advantages, response_mask)` of shape (B, T), the
+    `loss_agg_mode` and the actor config (`clip_ratio_low`, `clip_ratio_high`,
+    `clip_ratio_c`); the result is `(loss, metrics)` with verl's metric names
+    (`actor/pg_clipfrac`, `actor/ppo_kl`) plus ours under `actor/omni_*`.
+    `rollout_is_weights` (verl's rollout correction) multiply the per-token loss: GRPO/GSPO
+    are linear in a per-token weight, so the loss is recomputed with advantages * weights.
+    """
+    from omni_algos.losses import LOSSES
+
+    if name not in LOSS_NAMES:
+        raise ValueError(f"verl_policy_loss: {name!r} is not one of {sorted(LOSS_NAMES)}")
+    fn = LOSSES[name]
+
+    def policy_loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: torch.Tensor | None = None,
+        **_: Any,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        clip = float(_cfg_get(config, "clip_ratio", 0.2))
+        kw: dict[str, Any] = {
+            "clip_low": float(_cfg_get(config, "clip_ratio_low", clip)),
+            "clip_high": float(_cfg_get(config, "clip_ratio_high", clip)),
+            "agg": _AGG.get(loss_agg_mode, loss_agg_mode),
+        }
+        if name == "grpo":
+            kw["clip_ratio_c"] = float(_cfg_get(config, "clip_ratio_c", 3.0))
+        adv = advantages if rollout_is_weights is None else advantages * rollout_is_weights
+        out = fn(log_prob, old_log_prob, adv, response_mask, **kw)
+        m = response_mask.to(log_prob.dtype)
+        den = m.sum().clamp(min=1)
+        ppo_kl = float((-(log_prob - old_log_prob).detach() * m).sum() / den)
+        metrics = {
+            "actor/pg_clipfrac": float(out.metrics.get("clipfrac", 0.0)),
+            "actor/ppo_kl": ppo_kl,
+            "actor/pg_clipfrac_lower": float(out.metrics.get("clipfrac_lower", 0.0)),
+        }
+        metrics.update({f"actor/omni_{k}": float(v) for k, v in out.metrics.items()})
+        return out.loss, metrics
+
+    policy_loss.__name__ = f"omni_{name}_policy_loss"
+    policy_loss.__qualname__ = policy_loss.__name__
+    return policy_loss
+
+
+def omni_group_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl advantage estimator: `omni_algos.advantages.group_advantages` on the sequence
+    rewards `sum_t token_level_rewards`, groups from verl's `index` (the prompt uid),
+    broadcast over the response tokens; returns (advantages, returns) like verl's GRPO."""
+    from omni_algos.advantages import group_advantages
+
+    scores = token_level_rewards.sum(dim=-1)
+    ids: dict[Any, int] = {}
+    groups = [ids.setdefault(u, len(ids)) for u in list(index)]
+    adv = group_advantages(
+        scores.float(),
+        torch.as_tensor(groups),
+        std="group" if norm_adv_by_std_in_grpo else "none",
+        eps=epsilon,
+    ).to(token_level_rewards.dtype)
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+_REWARDS: dict[str, Any] = {}
+
+
+def omni_compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+    *,
+    reward: str = "math",
+    options: dict[str, Any] | None = None,
+    **_: Any,
+) -> float:
+    """verl `custom_reward_function`: score one response with `omni_rewards.load_reward`.
+
+    `reward` / `options` come from `custom_reward_function.reward_kwargs`; the response is
+    `texts`, the ground truth `references`, the prompt (if verl passes it in `extra_info`)
+    `prompts`."""
+    import omni_rewards
+
+    key = json.dumps([reward, options or {}], sort_keys=True)
+    if key not in _REWARDS:
+        _REWARDS[key] = omni_rewards.load_reward(reward, **(options or {}))
+    prompt = (extra_info or {}).get("prompt") or ""
+    out = _REWARDS[key](
+        omni_rewards.RewardInput(
+            texts=[solution_str],
+            references=[ground_truth] if ground_truth is not None else None,
+            prompts=[prompt],
+        )
+    )
+    return float(out.scores[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# registration (needs verl)
+
+
+def register_into_verl() -> dict[str, list[str]]:
+    """Register our losses, advantage estimator and reward manager in verl's registries;
+    returns what went where. Idempotent (re-registering the same object is a no-op)."""
+    try:
+        from verl.trainer.ppo import core_algos
+    except Exception as exc:  # pragma: no cover - only without verl
+        raise TrainError(
+            f"trainer.backend: 'verl' needs verl in its own environment ({exc}); see "
+            f"docs/scaling.md"
+        ) from None
+    done: dict[str, list[str]] = {"policy_loss": [], "adv_estimator": [], "reward_manager": []}
+    for ours, theirs in LOSS_NAMES.items():
+        if theirs not in core_algos.POLICY_LOSS_REGISTRY:
+            core_algos.register_policy_loss(theirs)(verl_policy_loss(ours))
+        done["policy_loss"].append(theirs)
+    if core_algos.ADV_ESTIMATOR_REGISTRY.get(ADV_ESTIMATOR) is not omni_group_advantage:
+        core_algos.register_adv_est(ADV_ESTIMATOR)(omni_group_advantage)
+    done["adv_estimator"].append(ADV_ESTIMATOR)
+    try:
+        from verl.workers.reward_manager import NaiveRewardManager, register
+        from verl.workers.reward_manager.registry import REWARD_MANAGER_REGISTRY
+    except Exception:  # reward manager API moved: the custom_reward_function path still works
+        return done
+    if REWARD_MANAGER not in REWARD_MANAGER_REGISTRY:
+
+        class OmniRewardManager(NaiveRewardManager):
+            """verl's naive reward manager with `omni_compute_score` as the default scorer."""
+
+            def __init__(self, tokenizer, num_examine, compute_score=None, **kwargs):
+                super().__init__(
+                    tokenizer, num_examine, compute_score or omni_compute_score, **kwargs
+                )
+
+        register(REWARD_MANAGER)(OmniRewardManager)
+    done["reward_manager"].append(REWARD_MANAGER)
+    return done
+
+
+# ---------------------------------------------------------------------------------------------
+# the run (needs verl, GPUs)
+
+
+def read_rows(recipe: Recipe) -> list[dict[str, Any]]:
+    """Prompt rows `{prompt, reference}` from `data.prompts` or the JSONL `data.file`
+    (`reference`, `answer` or `ground_truth` key)."""
+    d = recipe.data
+    if d.prompts is not None:
+        return [{"prompt": p, "reference": None} for p in d.prompts]
+    rows = []
+    for i, line in enumerate(Path(d.file).read_text().splitlines()):  # type: ignore[arg-type]
+        if not line.strip():
+            continue
+        obj = json.loads(line)
+        if "prompt" not in obj:
+            raise RecipeError(f"data.file: line {i + 1} has no 'prompt' key")
+        ref = obj.get("reference", obj.get("answer", obj.get("ground_truth")))
+        rows.append({"prompt": obj["prompt"], "reference": ref})
+    return rows
+
+
+def write_dataset(recipe: Recipe, out: Path) -> tuple[str, str]:
+    """verl's parquet layout: data_source, prompt (chat messages), reward_model, extra_info."""
+    import pandas as pd  # verl dependency
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {
+            "data_source": "omni",
+            "prompt": [{"role": "user", "content": r["prompt"]}],
+            "reward_model": {"style": "rule", "ground_truth": r["reference"]},
+            "extra_info": {"index": i, "prompt": r["prompt"]},
+        }
+        for i, r in enumerate(read_rows(recipe))
+    ]
+    train, val = out / "train.parquet", out / "val.parquet"
+    pd.DataFrame(rows).to_parquet(train)
+    pd.DataFrame(rows[: max(1, recipe.data.prompts_per_step)]).to_parquet(val)
+    return str(train), str(val)
+
+
+def export_thinker(recipe: Recipe, out: Path) -> str:
+    """Load the model through our Qwen3-Omni thinker adapter (talker stripped) and save the
+    thinker with its processor as a plain HF folder verl can load."""
+    from omni_adapters import from_pretrained
+
+    from ..trainer import ensure_model
+
+    path = ensure_model(recipe)
+    adapter = from_pretrained(path, stage="thinker", dtype=recipe.model.dtype, device="cpu")
+    out.mkdir(parents=True, exist_ok=True)
+    adapter.model.save_pretrained(out)
+    for name, obj in adapter.components.items():
+        if ("tokenizer" in name or "processor" in name) and hasattr(obj, "save_pretrained"):
+            obj.save_pretrained(out)
+    return str(out)
+
+
+def run_verl(recipe: Recipe, run_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    """Start verl's PPO trainer on the omni path of `recipe` (returns no per-step rows: verl
+    logs them itself, under `trainer.logger`)."""
+    _omni_checks(recipe)
+    if not verl_available():
+        raise TrainError(
+            "trainer.backend: 'verl' needs verl, which pins transformers < 5.11: create its own "
+            "environment with `UV_PROJECT_ENVIRONMENT=.venv-verl uv sync --extra verl` "
+            "(docs/scaling.md)"
+        )
+    run = Path(run_dir) if run_dir is not None else recipe.output_dir()
+    register_into_verl()
+    train, val = write_dataset(recipe, run / "verl_data")
+    model = export_thinker(recipe, run / "verl_model")
+    cfg = build_verl_config(recipe, model_path=model, train_files=train, val_files=val, run_dir=run)
+    (run / "verl_config.json").write_text(json.dumps(cfg, indent=1))
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *to_overrides(cfg)]
+    res = subprocess.run(cmd, check=False)
+    if res.returncode:
+        raise TrainError(
+            f"verl's PPO trainer exited with {res.returncode}: {' '.join(cmd[:4])} ..."
+        )
+    return []

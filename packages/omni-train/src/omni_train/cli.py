@@ -1,0 +1,121 @@
+"""`omni-train`: run, validate or resume a recipe.
+
+    omni-train RECIPE [key=value ...]        train (overrides are dotted YAML scalars)
+    omni-train validate RECIPE [key=value ...]   check a recipe without running it
+    omni-train resume RUN [key=value ...]    continue RUN from its latest checkpoint
+    omni-train report RUN                    write RUN/report.html (curves, sample grids)
+    omni-train prepare NAME [--out DIR]      write a prompt dataset (ocr, pickscore, video)
+
+Bad recipes and runs that cannot start print one clear message, never a stack trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .errors import TrainError
+from .recipe import RecipeError
+
+COMMANDS = ("validate", "resume", "report", "prepare")
+
+USAGE = """omni-train RECIPE [key=value ...]
+       omni-train validate RECIPE [key=value ...]
+       omni-train resume RUN [key=value ...]
+       omni-train report RUN
+       omni-train prepare NAME [--out DIR]"""
+
+
+def _parser(cmd: str | None) -> argparse.ArgumentParser:
+    if cmd == "validate":
+        p = argparse.ArgumentParser(
+            prog="omni-train validate", description="Check a recipe without running it."
+        )
+        p.add_argument("recipe", help="path to a recipe YAML")
+    elif cmd == "resume":
+        p = argparse.ArgumentParser(
+            prog="omni-train resume",
+            description="Continue a run from its latest checkpoint (same data order, RNG and "
+            "optimizer state).",
+        )
+        p.add_argument("run", help="run folder (runs/<experiment>)")
+    elif cmd == "prepare":
+        p = argparse.ArgumentParser(
+            prog="omni-train prepare",
+            description="Write a prompt dataset as JSONL: ocr, pickscore, video.",
+        )
+        p.add_argument("name", help="dataset: ocr, pickscore or video")
+        p.add_argument("--out", default=None, help="output folder (default data/NAME)")
+        p.add_argument("--seed", type=int, default=0, help="shuffle seed of the split")
+        return p
+    elif cmd == "report":
+        p = argparse.ArgumentParser(
+            prog="omni-train report", description="Write RUN/report.html: curves and samples."
+        )
+        p.add_argument("run", help="run folder (runs/<experiment>)")
+        return p
+    else:
+        p = argparse.ArgumentParser(
+            prog="omni-train",
+            usage=USAGE,
+            description="RL post-training from a YAML recipe. Subcommands: validate, resume, report, prepare.",
+        )
+        p.add_argument("recipe", help="path to a recipe YAML")
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.steps=5"
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    cmd = args_list[0] if args_list and args_list[0] in COMMANDS else None
+    args = _parser(cmd).parse_args(args_list[1:] if cmd else args_list)
+    try:
+        if cmd == "validate":
+            from .recipe import load_recipe
+            from .validate import validate_recipe
+
+            recipe = load_recipe(args.recipe, args.overrides)
+            for line in validate_recipe(recipe):
+                print(line)
+            print(f"ok: {args.recipe} is a valid recipe")
+            return 0
+        if cmd == "prepare":
+            from .prepare import prepare
+
+            try:
+                paths = prepare(args.name, args.out, seed=args.seed)
+            except ValueError as exc:
+                raise RecipeError(str(exc)) from None
+            for split, path in paths.items():
+                n = sum(1 for _ in path.open())
+                print(f"wrote {path} ({n} {split} prompts)")
+            return 0
+        if cmd == "report":
+            from .report import write_report
+
+            print(f"wrote {write_report(args.run)}")
+            return 0
+        if cmd == "resume":
+            from .trainer import resume
+
+            resume(args.run, args.overrides)
+            return 0
+        from .recipe import load_recipe
+        from .trainer import train
+
+        recipe = load_recipe(args.recipe, args.overrides)
+        train(recipe)
+        return 0
+    except (RecipeError, TrainError) as exc:
+        print(f"omni-train: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, RecipeError) else 1
+    except KeyboardInterrupt:
+        print("omni-train: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

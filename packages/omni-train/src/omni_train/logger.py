@@ -1,0 +1,91 @@
+"""Metrics: one JSON object per step in metrics.jsonl, optional TensorBoard, a console line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import TrainError
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, (np.floating, np.integer)):
+        value = value.item()
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+class MetricsLogger:
+    """Appends step rows to `<run>/metrics.jsonl` and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = False) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise TrainError(
+                    "trainer.tensorboard is true but TensorBoard is not installed; "
+                    "fix: pip install 'omni-train[tensorboard]'"
+                ) from None
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows with `step` > the given step (a resumed run rewrites them)."""
+        if not self.path.is_file():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            if line.strip() and json.loads(line).get("step", -1) <= step:
+                keep.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in keep))
+        tmp.replace(self.path)
+
+    def log(self, row: dict[str, Any]) -> None:
+        row = {k: _clean(v) for k, v in row.items()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            step = int(row["step"])
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def log_image(self, tag: str, image: np.ndarray, step: int) -> None:
+        if self.tb is not None:
+            self.tb.add_image(tag, np.asarray(image), step, dataformats="HWC")
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def console_line(row: dict[str, Any], total_steps: int) -> str:
+    """`step   3/20  reward 0.412 ± 0.103  loss -0.0012  kl 1.2e-05  clip 0.00  2.31s`."""
+    parts = [f"step {row['step'] + 1:>4}/{total_steps}"]
+    parts.append(f"reward {row['reward/mean']:.4f} ± {row['reward/std']:.4f}")
+    if "loss" in row:
+        parts.append(f"loss {row['loss']:+.4f}")
+    if "actor/approx_kl" in row:
+        parts.append(f"kl {row['actor/approx_kl']:.1e}")
+    if "actor/clipfrac" in row:
+        parts.append(f"clip {row['actor/clipfrac']:.2f}")
+    if "val/reward_mean" in row:
+        parts.append(f"val {row['val/reward_mean']:.4f}")
+    if "timing/step_s" in row:
+        parts.append(f"{row['timing/step_s']:.1f}s")
+    return "  ".join(parts)

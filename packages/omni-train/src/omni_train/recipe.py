@@ -1,0 +1,567 @@
+"""The `Recipe` schema: one YAML file describes a whole training run.
+
+A recipe has the sections ``model``, ``lora``, ``data``, ``rollout``, ``reward``,
+``algorithm``, ``optimizer`` and ``trainer`` (plus the top-level ``experiment`` name). Every
+section forbids unknown keys, so a typo is an error that names the key and suggests the
+closest valid one instead of being silently ignored.
+
+``load_recipe(path, overrides)`` reads the YAML, applies ``key=value`` dotted overrides (the
+value is parsed as a YAML scalar, so ``trainer.steps=3`` is an int and ``lora.target_modules=[a,b]``
+a list) and validates the result.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the offending key."""
+
+
+#: tiny families and losses of the omni (autoregressive) path; see `Recipe.is_omni`
+OMNI_FAMILIES = ("qwen3_omni_thinker",)
+OMNI_LOSSES = ("gspo", "grpo")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Which model to train."""
+
+    path: str = Field(
+        description="Local folder of the model (diffusers `model_index.json` or HF `config.json`)."
+    )
+    tiny: str | None = Field(
+        None,
+        description="Tiny-model family (e.g. `sd3`). If set and `path` does not exist, an "
+        "architecture-faithful tiny random model is built there with `omni_adapters.tiny.build`.",
+    )
+    tiny_seed: int = Field(0, description="Seed of the tiny random model build.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights dtype of the trainable model."
+    )
+    device: str = Field("cpu", description="Torch device, e.g. `cpu` or `cuda`.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments for `from_pretrained`."
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _expand(cls, v: str) -> str:
+        return os.path.expanduser(os.path.expandvars(v))
+
+
+class LoraConfig(_Section):
+    """LoRA adapters on the transformer's attention projections."""
+
+    enabled: bool = Field(True, description="Train LoRA adapters (false: full fine-tuning).")
+    rank: int = Field(8, ge=1, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    target_modules: list[str] | None = Field(
+        None, description="Module names to wrap; null = the adapter's attention projections."
+    )
+    init_seed: int = Field(
+        0, description="Seed for the LoRA A matrices' random init (B starts at zero)."
+    )
+
+
+class DataConfig(_Section):
+    """Prompt source. Either an inline list or a JSONL file with a `prompt` field per line."""
+
+    prompts: list[str] | None = Field(None, description="Inline training prompts.")
+    file: str | None = Field(None, description="JSONL file of training prompts (`prompt` key).")
+    prompts_per_step: int = Field(
+        4, ge=1, description="Distinct prompts per step (each repeated `rollout.n` times)."
+    )
+    shuffle: bool = Field(True, description="Shuffle prompt order each epoch (seeded).")
+    val_prompts: list[str] | None = Field(
+        None, description="Fixed validation prompts (default: the first training prompts)."
+    )
+    task: str | None = Field(
+        None,
+        description="Omni path: a generated visual task (`shapes`: count 1-4 shapes, answer "
+        "A-D) instead of `prompts`/`file`; see omni_train.tasks.",
+    )
+    task_options: dict[str, Any] = Field(
+        default_factory=dict, description="Omni path: options of the generated task."
+    )
+    task_size: int = Field(256, ge=1, description="Omni path: generated training items.")
+    val_size: int = Field(
+        32, ge=1, description="Omni path: held-out validation items (generated task)."
+    )
+    val_file: str | None = Field(
+        None,
+        description="Omni path: JSONL validation rows (`prompt`, `answer`, `image`); default: "
+        "the first `val_size` training rows.",
+    )
+
+
+class RolloutConfig(_Section):
+    """Sampling settings for the rollout engine."""
+
+    backend: Literal["embedded"] = Field("embedded", description="Rollout engine.")
+    n: int = Field(8, ge=2, description="Samples per prompt (the GRPO group size).")
+    max_num_seqs: int = Field(16, ge=1, description="Max rows packed into one forward.")
+    height: int = Field(64, ge=8, description="Image height in pixels.")
+    width: int = Field(64, ge=8, description="Image width in pixels.")
+    num_frames: int = Field(1, ge=1, description="Frames (video models).")
+    num_steps: int = Field(10, ge=1, description="Denoising steps.")
+    guidance_scale: float = Field(1.0, ge=0, description="CFG scale (1 = off).")
+    true_cfg_scale: float = Field(1.0, ge=0, description="True CFG with negative prompt (1 = off).")
+    noise_level: float = Field(0.7, ge=0, description="SDE noise level a (Flow-GRPO).")
+    sde_kind: Literal["sde", "cps", "dance", "ode"] = Field(
+        "sde", description="Stochastic step formula inside the SDE window."
+    )
+    sde_window_size: int = Field(
+        2, ge=1, description="Number of SDE (stochastic, trained) steps per trajectory."
+    )
+    sde_window_range: tuple[int, int] = Field(
+        (0, 5),
+        description="[low, high): steps the SDE window lies in (its start is drawn uniformly).",
+    )
+    max_new_tokens: int = Field(
+        256, ge=1, description="Omni path: max generated tokens per response."
+    )
+    temperature: float = Field(1.0, gt=0, description="Omni path: sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Omni path: nucleus (top-p) sampling.")
+    val_temperature: float = Field(
+        0.0, ge=0, description="Omni path: validation temperature (0 = greedy)."
+    )
+
+
+class RewardTerm(_Section):
+    name: str = Field(description="Registered reward name.")
+    weight: float = Field(1.0, description="Weight in the sum.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Reward options.")
+
+
+class RewardConfig(_Section):
+    """The reward. Either one `name` (+ `options`) or several weighted `terms`."""
+
+    name: str | None = Field(None, description="Registered reward name (see omni_rewards).")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword options for `load_reward`."
+    )
+    terms: list[RewardTerm] | None = Field(
+        None, description="Several rewards combined by weight (instead of `name`)."
+    )
+    extract: Literal["response", "first_letter"] = Field(
+        "response",
+        description="Omni path: what the reward reads: the whole response, or only its first "
+        "free-standing choice letter (short multiple-choice answers).",
+    )
+
+
+class AlgorithmConfig(_Section):
+    """The RL objective."""
+
+    name: str = Field("flow_grpo", description="Loss name in `omni_algos.losses.LOSSES`.")
+    clip_range: float = Field(1e-4, gt=0, description="PPO ratio clip epsilon.")
+    adv_clip_max: float = Field(5.0, gt=0, description="Advantages are clipped to +-this.")
+    adv_std: Literal["global", "group", "none"] = Field(
+        "group", description="Advantage normalisation: batch std, per-group std, or none."
+    )
+    num_minibatches: int = Field(
+        1, ge=1, description="Optimizer steps per rollout batch (the batch is split)."
+    )
+    epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    kl_beta: float = Field(
+        0.0,
+        ge=0,
+        description="KL to the reference (the base model, LoRA off) coefficient; 0 = off.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments for the loss."
+    )
+
+
+class OptimizerConfig(_Section):
+    """AdamW on the trainable parameters."""
+
+    name: Literal["adamw"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(3e-4, gt=0, description="Learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    weight_decay: float = Field(1e-4, ge=0, description="Decoupled weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    ema_decay: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="EMA of the LoRA weights, `ema <- d ema + (1 - d) w` after each optimizer "
+        "step (0 = off); validation then samples with the EMA weights.",
+    )
+
+
+class ResourcePool(_Section):
+    """One role's workers under `trainer.backend: ray` (see docs/scaling.md)."""
+
+    workers: int = Field(1, ge=1, description="Ray actors for this role.")
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs each actor reserves (0 on CPU).")
+    cpus_per_worker: float = Field(0.0, ge=0, description="CPUs each actor reserves.")
+
+
+class TrainerConfig(_Section):
+    """The outer loop, logging and checkpoints."""
+
+    backend: Literal["local", "ray", "verl"] = Field(
+        "local", description="Where the loop runs: one process, Ray actors + FSDP2, or verl."
+    )
+    num_workers: int = Field(
+        1, ge=1, description="ray: actor (FSDP2) workers; also the default rollout workers."
+    )
+    nnodes: int = Field(1, ge=1, description="ray/verl: nodes in the cluster.")
+    gpus_per_node: int = Field(0, ge=0, description="ray/verl: GPUs per node (0 = CPU, gloo).")
+    resource_pools: dict[Literal["actor", "rollout", "reward"], ResourcePool] = Field(
+        default_factory=dict,
+        description="ray: per-role workers/GPUs (default: actor and rollout = num_workers, "
+        "reward = 1).",
+    )
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="async: the rollout of step k+1 overlaps the update of step k."
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="async: max policy versions between a sample's rollout and update."
+    )
+    async_correction: Literal["decoupled", "bypass"] = Field(
+        "decoupled", description="async: rollout_correction mode for off-policy samples."
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="ray: restarts of a dead rollout/reward worker within one step."
+    )
+    verl: dict[str, Any] = Field(
+        default_factory=dict, description="verl: extra dotted config overrides, passed as is."
+    )
+    steps: int = Field(20, ge=1, description="Training steps (one rollout batch each).")
+    seed: int = Field(0, ge=0, description="Run seed: data order and every sample's seed.")
+    output_dir: str | None = Field(None, description="Run folder (default: runs/<experiment>).")
+    log_every: int = Field(1, ge=1, description="Console line every N steps.")
+    sample_every: int = Field(5, ge=0, description="Sample grid PNG every N steps (0 = off).")
+    save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    val_every: int = Field(0, ge=0, description="Validation every N steps (0 = off).")
+    val_num_steps: int | None = Field(
+        None, ge=1, description="Denoising steps for validation (default: rollout.num_steps)."
+    )
+    val_samples_per_prompt: int = Field(2, ge=1, description="Validation images per prompt.")
+    tensorboard: bool = Field(False, description="Also write TensorBoard scalars and images.")
+    progress: bool = Field(True, description="Show a tqdm progress bar.")
+    threads: int | None = Field(None, ge=1, description="torch.set_num_threads (CPU).")
+
+    @field_validator("output_dir")
+    @classmethod
+    def _expand(cls, v: str | None) -> str | None:
+        return None if v is None else os.path.expanduser(os.path.expandvars(v))
+
+
+class Recipe(_Section):
+    """A whole training run."""
+
+    experiment: str = Field("run", description="Run name; the default output is runs/<name>.")
+    model: ModelConfig
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    def is_omni(self) -> bool:
+        """The autoregressive (omni thinker) path: `model.tiny: qwen3_omni_thinker` or a token
+        loss (`algorithm.name: gspo|grpo`); it runs `omni_train.omni_loop.OmniTrainer`."""
+        return self.model.tiny in OMNI_FAMILIES or self.algorithm.name in OMNI_LOSSES
+
+    def output_dir(self) -> Path:
+        """The run folder: `trainer.output_dir` or `runs/<experiment>`."""
+        return Path(self.trainer.output_dir or os.path.join("runs", self.experiment))
+
+    def sampling_params(self, **changes: Any) -> Any:
+        """The rollout's `diffusion_rollout.SamplingParams` (validated there)."""
+        from diffusion_rollout import SamplingParams
+
+        r = self.rollout
+        fields = dict(
+            height=r.height,
+            width=r.width,
+            num_frames=r.num_frames,
+            num_steps=r.num_steps,
+            guidance_scale=r.guidance_scale,
+            true_cfg_scale=r.true_cfg_scale,
+            noise_level=r.noise_level,
+            sde_kind=r.sde_kind,
+            sde_window_size=r.sde_window_size,
+            sde_window_range=tuple(r.sde_window_range),
+            output="both",
+        )
+        fields.update(changes)
+        return SamplingParams(**fields)
+
+    def check(self) -> None:
+        """Cross-field checks that pydantic's per-field types cannot express."""
+        problems: list[str] = []
+        if (self.reward.name is None) == (self.reward.terms is None):
+            problems.append("reward: set exactly one of `reward.name` or `reward.terms`")
+        sources = [k for k in ("prompts", "file", "task") if getattr(self.data, k) is not None]
+        if not sources:
+            problems.append(
+                "data: set `data.prompts` (a list), `data.file` (a JSONL path) or `data.task`"
+            )
+        if len(sources) > 1:
+            problems.append(f"data: set only one of {', '.join('data.' + k for k in sources)}")
+        if self.is_omni() and self.algorithm.name not in OMNI_LOSSES:
+            problems.append(
+                f"algorithm.name: the omni path (model.tiny {self.model.tiny}) trains with a "
+                f"token loss, one of {', '.join(OMNI_LOSSES)}; got {self.algorithm.name!r}"
+            )
+        if self.data.task is not None and not self.is_omni():
+            problems.append(
+                "data.task: generated tasks are for the omni path (algorithm gspo/grpo)"
+            )
+        if self.data.prompts is not None and len(self.data.prompts) == 0:
+            problems.append("data.prompts: the prompt list is empty")
+        try:
+            self.sampling_params()
+        except ValueError as exc:
+            msg = str(exc).replace("SamplingParams.", "rollout.")
+            problems.append(msg)
+        batch = self.data.prompts_per_step * self.rollout.n
+        if batch % self.algorithm.num_minibatches:
+            problems.append(
+                f"algorithm.num_minibatches: {self.algorithm.num_minibatches} does not divide "
+                f"the batch of data.prompts_per_step * rollout.n = {batch}"
+            )
+        if problems:
+            raise RecipeError("invalid recipe:\n  " + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, overrides and readable errors
+
+
+def _model_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model that owns the field at `loc` (a path of field names)."""
+    model: type[BaseModel] = Recipe
+    for part in loc:
+        if not isinstance(part, str):
+            continue  # list index
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        sub = _submodel(field.annotation)
+        if sub is None:
+            return None
+        model = sub
+    return model
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        sub = _submodel(arg)
+        if sub is not None:
+            return sub
+    return None
+
+
+def valid_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, e.g. `rollout.n`, `reward.terms.name`."""
+    keys: list[str] = []
+    for name, field in model.model_fields.items():
+        dotted = prefix + name
+        keys.append(dotted)
+        sub = _submodel(field.annotation)
+        if sub is not None:
+            keys.extend(valid_keys(sub, dotted + "."))
+    return keys
+
+
+def suggest(loc: tuple[Any, ...]) -> str | None:
+    """The closest valid dotted key to an unknown key at `loc`."""
+    names = [p for p in loc if isinstance(p, str)]
+    if not names:
+        return None
+    owner = _model_for(tuple(loc[:-1]))
+    prefix = ".".join(names[:-1])
+    if owner is not None:
+        close = difflib.get_close_matches(names[-1], list(owner.model_fields), n=1, cutoff=0.6)
+        if close:
+            return f"{prefix}.{close[0]}" if prefix else close[0]
+    # the key may belong to another section (e.g. `trainer.lr` -> `optimizer.lr`)
+    all_keys = valid_keys()
+    leaf = names[-1]
+    same_leaf = [k for k in all_keys if k.rsplit(".", 1)[-1] == leaf]
+    if same_leaf:
+        return same_leaf[0]
+    close = difflib.get_close_matches(".".join(names), all_keys, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _fmt_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def format_validation_error(err: ValidationError, source: str = "recipe") -> str:
+    """One readable line per problem, each naming the dotted key."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        key = _fmt_loc(loc)
+        if e["type"] == "extra_forbidden":
+            hint = suggest(loc)
+            msg = f"unknown key '{key}'"
+            if hint:
+                msg += f" (did you mean '{hint}'?)"
+        elif e["type"] == "missing":
+            msg = f"missing required key '{key}'"
+        else:
+            got = e.get("input")
+            got_s = repr(got)
+            if len(got_s) > 60:
+                got_s = got_s[:57] + "..."
+            msg = f"'{key}': {e['msg']} (got {got_s})"
+        lines.append(msg)
+    head = f"invalid {source}:" if len(lines) > 1 else f"invalid {source}: "
+    return head + ("\n  " + "\n  ".join(lines) if len(lines) > 1 else lines[0])
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], yaml-scalar(value))."""
+    if "=" not in item:
+        raise RecipeError(f"override '{item}' is not of the form key=value (e.g. trainer.steps=5)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"override '{item}': empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"override '{item}': value is not valid YAML ({exc})") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each dotted `key=value` in a nested dict (in place; also returned)."""
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise RecipeError(
+                    f"override '{item}': '{where}' is a value ({child!r}), not a section"
+                )
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def recipe_from_dict(data: dict[str, Any], source: str = "recipe") -> Recipe:
+    """Validate a nested dict into a `Recipe` (RecipeError with every problem on failure)."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"invalid {source}: the top level must be a mapping of sections")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(format_validation_error(err, source)) from None
+    recipe.check()
+    return recipe
+
+
+def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe, apply `key=value` overrides, validate."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe {p} is not valid YAML: {exc}") from None
+    apply_overrides(data, list(overrides or []))
+    return recipe_from_dict(data, source=f"recipe {p}")
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """The fully resolved recipe as YAML (every default spelled out)."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+def _type_name(annotation: Any) -> str:
+    s = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    s = s or str(annotation).replace("typing.", "")
+    return s.replace("NoneType", "null")
+
+
+def reference_markdown() -> str:
+    """The recipe reference (every key, its type, default and meaning) as Markdown tables.
+
+    docs/recipes.md embeds this between `<!-- keys:start -->` and `<!-- keys:end -->`;
+    regenerate with `python -m omni_train.recipe`.
+    """
+    import json as _json
+
+    out: list[str] = []
+
+    def table(model: type[BaseModel], prefix: str) -> None:
+        doc = (model.__doc__ or "").strip().splitlines()[0] if model.__doc__ else ""
+        out.append(f"### `{prefix.rstrip('.') or 'top level'}`\n")
+        if doc:
+            out.append(doc + "\n")
+        out.append("| key | type | default | meaning |")
+        out.append("| --- | --- | --- | --- |")
+        subs = []
+        for name, field in model.model_fields.items():
+            sub = _submodel(field.annotation)
+            if field.is_required():
+                default = "required"
+            elif sub is not None and field.default_factory is sub:
+                default = "(section)"
+            else:
+                value = field.default_factory() if field.default_factory else field.default
+                if isinstance(value, BaseModel):
+                    value = value.model_dump(mode="json")
+                default = f"`{_json.dumps(value)}`"
+            if sub is not None:
+                subs.append((sub, prefix + name + "."))
+            typ = sub.__name__ if sub is not None else _type_name(field.annotation)
+            if sub is not None and getattr(field.annotation, "__origin__", None) is dict:
+                typ = f"mapping of name -> {sub.__name__} (keys below go under each name)"
+            elif sub is not None and getattr(field.annotation, "__origin__", None) is None:
+                args = [
+                    getattr(a, "__origin__", None)
+                    for a in getattr(field.annotation, "__args__", ())
+                ]
+                if list in args:
+                    typ = f"list of {sub.__name__} (keys below go in each item)"
+            typ = typ.replace("Literal[", "one of [").replace("dict[str, Any]", "mapping")
+            desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
+            out.append(
+                f"| `{prefix}{name}` | {typ.replace('|', chr(92) + '|')} | {default} | {desc} |"
+            )
+        out.append("")
+        for sub, p in subs:
+            table(sub, p)
+
+    table(Recipe, "")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # print the key reference for docs/recipes.md
+    print(reference_markdown())

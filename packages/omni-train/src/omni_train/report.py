@@ -1,0 +1,87 @@
+"""`omni-train report RUN`: one self-contained HTML page with the curves and sample grids."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+from .errors import TrainError
+from .plots import plot_reward_curve, read_metrics
+
+#: curves drawn besides the reward (when present in metrics.jsonl)
+CURVES = ("loss", "actor/grad_norm", "actor/approx_kl", "actor/clipfrac", "timing/step_s")
+
+
+def _img(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img src="data:image/png;base64,{data}" alt="{html.escape(path.name)}">'
+
+
+def _curve_png(rows: list[dict], key: str, path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    if not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(4.2, 2.6), dpi=100)
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", ms=3)
+    ax.set_title(key, fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_report(run: str | Path) -> Path:
+    """Write `<run>/report.html` (images inlined, so the file can be sent alone)."""
+    run = Path(run)
+    rows = read_metrics(run / "metrics.jsonl")
+    if not rows:
+        raise TrainError(f"report: {run} has no metrics.jsonl rows (is it a run folder?)")
+    tmp = run / ".report"
+    tmp.mkdir(exist_ok=True)
+    curve = plot_reward_curve(rows, tmp / "reward.png", title=run.name)
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(run.name)}</title>",
+        "<style>body{font-family:sans-serif;margin:2em}img{margin:4px;border:1px solid #ddd}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;"
+        "font-size:12px}</style></head><body>",
+        f"<h1>{html.escape(run.name)}</h1>",
+    ]
+    last = rows[-1]
+    parts.append(
+        f"<p>{len(rows)} steps; reward mean {rows[0]['reward/mean']:.4f} (step 0) -> "
+        f"{last['reward/mean']:.4f} (step {last['step']})</p>"
+    )
+    parts.append("<h2>Curves</h2>" + _img(curve))
+    for i, key in enumerate(CURVES):
+        png = _curve_png(rows, key, tmp / f"curve{i}.png")
+        if png is not None:
+            parts.append(_img(png))
+    samples = sorted((run / "samples").glob("*.png")) if (run / "samples").is_dir() else []
+    if samples:
+        parts.append("<h2>Samples</h2>")
+        for p in samples:
+            parts.append(f"<h3>{html.escape(p.stem)}</h3>{_img(p)}")
+    parts.append("<h2>Last step</h2><table>")
+    for k, v in last.items():
+        parts.append(f"<tr><td>{html.escape(k)}</td><td>{html.escape(json.dumps(v))}</td></tr>")
+    parts.append("</table>")
+    recipe = run / "recipe.yaml"
+    if recipe.is_file():
+        parts.append(f"<h2>Recipe</h2><pre>{html.escape(recipe.read_text())}</pre>")
+    parts.append("</body></html>")
+    out = run / "report.html"
+    out.write_text("\n".join(parts))
+    for p in tmp.iterdir():
+        p.unlink()
+    tmp.rmdir()
+    return out

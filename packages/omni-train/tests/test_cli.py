@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from omni_train.cli import main
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_validate_ok(recipe_file: Path, capsys) -> None:
+    assert main(["validate", str(recipe_file)]) == 0
+    out = capsys.readouterr().out
+    assert "is a valid recipe" in out
+    assert "will be built" in out
+
+
+def test_validate_shipped_recipes(capsys) -> None:
+    for p in sorted((REPO / "recipes").glob("**/*.yaml")):
+        assert main(["validate", str(p)]) == 0, p
+
+
+def test_bad_key_one_clear_message(recipe_file: Path, capsys) -> None:
+    assert main(["validate", str(recipe_file), "rollout.nn=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("omni-train: error:")
+    assert "did you mean 'rollout.n'" in err
+    assert "Traceback" not in err
+
+
+def test_unknown_loss_and_reward(recipe_file: Path, capsys) -> None:
+    assert main(["validate", str(recipe_file), "algorithm.name=nope"]) == 2
+    assert "algorithm.name: unknown loss 'nope'" in capsys.readouterr().err
+    assert main(["validate", str(recipe_file), "reward.name=nope"]) == 2
+    assert "reward.name: unknown reward 'nope'" in capsys.readouterr().err
+
+
+def test_missing_recipe_and_bad_yaml(tmp_path: Path, capsys) -> None:
+    assert main(["validate", str(tmp_path / "none.yaml")]) == 2
+    assert "recipe file not found" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    assert main([str(bad)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_missing_model_path_from_cli(recipe_file: Path, tmp_path: Path, capsys) -> None:
+    d = yaml.safe_load(recipe_file.read_text())
+    d["model"] = {"path": str(tmp_path / "nope")}
+    recipe_file.write_text(yaml.safe_dump(d))
+    assert main([str(recipe_file)]) == 1
+    err = capsys.readouterr().err
+    assert "model.path:" in err and "does not exist" in err and "Traceback" not in err
+
+
+def test_resume_not_a_run(tmp_path: Path, capsys) -> None:
+    assert main(["resume", str(tmp_path)]) == 1
+    assert "not a run folder" in capsys.readouterr().err
+
+
+def test_console_script_help() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "omni_train.cli", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0
+    assert "omni-train validate RECIPE" in out.stdout
+
+
+def test_report_writes_html(train_dict, capsys) -> None:
+    from omni_train.recipe import recipe_from_dict
+    from omni_train.trainer import train
+
+    recipe = recipe_from_dict(train_dict())
+    train(recipe)
+    assert main(["report", recipe.trainer.output_dir]) == 0
+    page = (Path(recipe.trainer.output_dir) / "report.html").read_text()
+    assert page.count("data:image/png;base64,") >= 3  # reward curve, other curves, samples
+    assert "reward mean" in page and "step_0000" in page

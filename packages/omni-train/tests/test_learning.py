@@ -1,0 +1,129 @@
+"""The quickstart learns: a shortened run's reward mean rises (runs in CI, ~1 minute)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from omni_train.plots import read_metrics
+from omni_train.recipe import load_recipe
+from omni_train.trainer import TIMING_PREFIXES, resume, train
+
+REPO = Path(__file__).resolve().parents[3]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+
+
+@pytest.mark.slow
+def test_shortened_quickstart_learns(tmp_path: Path, tiny_sd3: Path) -> None:
+    recipe = load_recipe(
+        QUICKSTART,
+        [
+            f"model.path={tiny_sd3}",
+            f"trainer.output_dir={tmp_path / 'qs'}",
+            "trainer.steps=15",
+            "trainer.progress=false",
+            "trainer.val_every=0",
+            "trainer.save_every=0",
+        ],
+    )
+    rows = train(recipe)
+    r = np.array([row["reward/mean"] for row in rows])
+    first, last = r[:5].mean(), r[-5:].mean()
+    noise = max(row["reward/std"] for row in rows[:5]) / np.sqrt(32)
+    assert last > first + 0.02, (first, last, r.round(4).tolist())
+    assert last - first > 10 * noise
+    assert (tmp_path / "qs" / "reward_curve.png").is_file()
+    assert (tmp_path / "qs" / "samples" / "step_0005.png").is_file()
+
+
+def _det(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches(tmp_path: Path, tiny_sd3: Path) -> None:
+    """A run killed with SIGKILL mid-training, resumed, ends with the uninterrupted metrics."""
+    over = [
+        f"model.path={tiny_sd3}",
+        "trainer.steps=8",
+        "trainer.save_every=2",
+        "trainer.progress=false",
+        "trainer.val_every=4",
+        "trainer.sample_every=0",
+        "rollout.n=4",
+        "data.prompts_per_step=2",
+    ]
+    full = train(load_recipe(QUICKSTART, [*over, f"trainer.output_dir={tmp_path / 'full'}"]))
+    run = tmp_path / "killed"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "omni_train.cli",
+            str(QUICKSTART),
+            *over,
+            f"trainer.output_dir={run}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            if len(read_metrics(run / "metrics.jsonl")) >= 5 or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    rows_at_kill = len(read_metrics(run / "metrics.jsonl"))
+    assert 0 < rows_at_kill < 8, "the run finished before it could be killed"
+    resume(run, ["trainer.progress=false"])  # a fresh trainer, as `omni-train resume RUN`
+    resumed = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(8))
+    assert _det(resumed) == _det(full)
+    state = json.loads((run / "checkpoint" / "step_0008" / "state.json").read_text())
+    assert state["step"] == 8
+
+
+TWINS = sorted((REPO / "recipes" / "cpu").glob("*.yaml"))
+
+
+def test_every_gpu_recipe_has_a_cpu_twin() -> None:
+    gpu = {p.stem for p in (REPO / "recipes").glob("*.yaml")} - {"quickstart"}
+    assert gpu == {p.stem for p in TWINS}
+
+
+@pytest.mark.slow
+def test_cpu_twins_run_two_steps(tmp_path_factory) -> None:
+    models = tmp_path_factory.mktemp("twin-models")
+    for path in TWINS:
+        recipe = load_recipe(path)
+        family = recipe.model.tiny
+        out = tmp_path_factory.mktemp(path.stem)
+        rows = train(
+            load_recipe(
+                path,
+                [
+                    f"model.path={models / family}",
+                    f"trainer.output_dir={out}",
+                    "trainer.steps=2",
+                    "trainer.progress=false",
+                    "trainer.val_every=2",
+                ],
+            )
+        )
+        assert [r["step"] for r in rows] == [0, 1], path.name
+        assert np.isfinite(rows[-1]["loss"]) and "val/reward_mean" in rows[-1], path.name
+        assert (out / "checkpoint" / "step_0002" / "state.json").is_file(), path.name

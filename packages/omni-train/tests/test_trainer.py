@@ -1,0 +1,268 @@
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from omni_train.errors import NonFiniteError, TrainError
+from omni_train.plots import read_metrics
+from omni_train.recipe import recipe_from_dict
+from omni_train.trainer import TIMING_PREFIXES, LocalTrainer, resume, train
+
+REQUIRED = [
+    "step",
+    "reward/mean",
+    "reward/std",
+    "loss",
+    "actor/ratio_mean",
+    "actor/clipfrac",
+    "actor/approx_kl",
+    "actor/grad_norm",
+    "timing/rollout_s",
+    "timing/reward_s",
+    "timing/update_s",
+    "perf/images_per_s",
+]
+
+
+def _det(rows: list[dict]) -> list[dict]:
+    """Rows without the wall-clock metrics."""
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
+
+
+def test_two_steps_write_everything(train_dict, tmp_path: Path) -> None:
+    recipe = recipe_from_dict(train_dict(trainer={"val_every": 2}))
+    rows = train(recipe)
+    run = Path(recipe.trainer.output_dir)
+    assert len(rows) == 2
+    on_disk = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in on_disk] == [0, 1]
+    for key in REQUIRED:
+        assert key in on_disk[0], key
+    assert on_disk[0]["rollout/rows"] == 8
+    assert on_disk[1]["rollout/version"] == 1  # step 1 rolled out on the weights of step 0's update
+    assert on_disk[1]["weights/version"] == 2
+    # minibatch 0 replays on the rollout weights: the recomputed log-probs agree
+    assert on_disk[0]["rollout/logprob_diff_max"] < 1e-4
+    assert on_disk[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert "val/reward_mean" in on_disk[1]
+    assert (run / "samples" / "step_0000.png").is_file()
+    assert (run / "samples" / "val_step_0001.png").is_file()
+    assert (run / "reward_curve.png").is_file()
+    ck = run / "checkpoint" / "step_0002"
+    for f in (
+        "trainable.safetensors",
+        "optimizer.safetensors",
+        "optimizer.json",
+        "rng.safetensors",
+        "state.json",
+        "lora/adapter_model.safetensors",
+        "lora/adapter_config.json",
+        "lora/pytorch_lora_weights.safetensors",
+    ):
+        assert (ck / f).is_file(), f
+    assert json.loads((ck / "state.json").read_text())["version"] == 2
+    assert (run / "recipe.yaml").is_file()
+
+
+def test_weights_change_and_reach_engine(train_dict) -> None:
+    recipe = recipe_from_dict(train_dict(trainer={"steps": 1, "sample_every": 0}))
+    t = LocalTrainer(recipe)
+    t.setup()
+    before = {k: v.detach().clone() for k, v in t.params_named.items()}
+    t.train()
+    changed = [k for k, v in t.params_named.items() if not torch.equal(v, before[k])]
+    assert changed, "the update changed no LoRA parameter"
+    assert t.engine.version == 1
+
+
+def test_same_seed_same_metrics_other_seed_differs(train_dict, tmp_path: Path) -> None:
+    a = train(recipe_from_dict(train_dict(trainer={"output_dir": str(tmp_path / "a")})))
+    b = train(recipe_from_dict(train_dict(trainer={"output_dir": str(tmp_path / "b")})))
+    c = train(recipe_from_dict(train_dict(trainer={"output_dir": str(tmp_path / "c"), "seed": 5})))
+    assert _det(a) == _det(b)
+    assert _det(a) != _det(c)
+
+
+def test_resume_equals_uninterrupted(train_dict, tmp_path: Path, monkeypatch) -> None:
+    common = {"steps": 4, "save_every": 2, "sample_every": 0}
+    full = train(
+        recipe_from_dict(
+            train_dict(
+                trainer={**common, "output_dir": str(tmp_path / "full")},
+                algorithm={"num_minibatches": 2, "clip_range": 0.2},
+            )
+        )
+    )
+
+    run = tmp_path / "killed"
+    recipe = recipe_from_dict(
+        train_dict(
+            trainer={**common, "output_dir": str(run)},
+            algorithm={"num_minibatches": 2, "clip_range": 0.2},
+        )
+    )
+    orig = LocalTrainer.train_step
+
+    def dying(self, step, logger):
+        row = orig(self, step, logger)
+        if step == 2:  # step 2 is logged, but the last checkpoint is after step 1
+            raise KeyboardInterrupt
+        return row
+
+    monkeypatch.setattr(LocalTrainer, "train_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        train(recipe)
+    monkeypatch.setattr(LocalTrainer, "train_step", orig)
+    assert len(read_metrics(run / "metrics.jsonl")) == 3
+    resume(run)
+    resumed = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert _det(resumed) == _det(full)
+
+
+def test_missing_model_path_is_clear(train_dict, tmp_path: Path) -> None:
+    d = train_dict()
+    d["model"] = {"path": str(tmp_path / "nowhere")}
+    with pytest.raises(TrainError, match=r"model.path: .*nowhere does not exist.*model.tiny"):
+        LocalTrainer(recipe_from_dict(d)).setup()
+
+
+def test_unknown_reward_and_missing_extra(train_dict, monkeypatch) -> None:
+    import omni_rewards
+
+    with pytest.raises(TrainError, match=re.escape("reward.name: unknown reward 'nope'")):
+        LocalTrainer(recipe_from_dict(train_dict(reward={"name": "nope"}))).setup()
+
+    def needs_extra(**options):
+        raise omni_rewards.MissingDependencyError(
+            "reward 'fancy' needs the python package 'fancylib', which is not installed: "
+            "pip install 'omni-rewards[fancy]'"
+        )
+
+    monkeypatch.setitem(omni_rewards.REWARDS, "fancy", needs_extra)
+    with pytest.raises(TrainError, match=r"pip install 'omni-rewards\[fancy\]'"):
+        LocalTrainer(recipe_from_dict(train_dict(reward={"name": "fancy"}))).setup()
+
+
+def test_nan_reward_stops_with_step_and_samples(train_dict, tmp_path: Path, monkeypatch) -> None:
+    import omni_rewards
+
+    class Flaky(omni_rewards.Reward):
+        name = "flaky"
+        calls = 0
+
+        def score_batch(self, inp):
+            Flaky.calls += 1
+            s = np.full(inp.batch_size, 0.5, dtype=np.float32)
+            if Flaky.calls == 2:
+                s[3] = np.nan
+            return omni_rewards.RewardOutput(s)
+
+    monkeypatch.setitem(omni_rewards.REWARDS, "flaky", Flaky)
+    recipe = recipe_from_dict(train_dict(reward={"name": "flaky"}, trainer={"steps": 3}))
+    with pytest.raises(NonFiniteError, match="step 1: non-finite reward") as exc:
+        train(recipe)
+    out = Path(recipe.trainer.output_dir) / "nonfinite" / "step_0001"
+    assert str(out) in str(exc.value)
+    data = json.loads((out / "samples.json").read_text())
+    assert len(data["samples"]) == 8 and (out / "samples.png").is_file()
+    assert len(read_metrics(Path(recipe.trainer.output_dir) / "metrics.jsonl")) == 1
+
+
+def test_tensorboard_scalars(train_dict) -> None:
+    recipe = recipe_from_dict(train_dict(trainer={"steps": 1, "tensorboard": True}))
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:  # the extra is not installed: a clear error, not a stack trace
+        with pytest.raises(TrainError, match=r"pip install 'omni-train\[tensorboard\]'"):
+            train(recipe)
+        return
+    train(recipe)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(Path(recipe.trainer.output_dir) / "tensorboard"))
+    ev.Reload()
+    assert "reward/mean" in ev.Tags()["scalars"]
+    assert "samples" in ev.Tags()["images"]
+
+
+def test_lora_export_loads_in_diffusers(train_dict, tiny_sd3: Path) -> None:
+    from diffusers import StableDiffusion3Pipeline
+
+    recipe = recipe_from_dict(train_dict(trainer={"steps": 1, "sample_every": 0}))
+    t = LocalTrainer(recipe)
+    t.train()
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
+    pipe.load_lora_weights(Path(recipe.trainer.output_dir) / "checkpoint" / "step_0001" / "lora")
+    cfg = next(iter(pipe.transformer.peft_config.values()))
+    assert (cfg.r, cfg.lora_alpha) == (recipe.lora.rank, recipe.lora.alpha)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 8, 8, generator=g)
+    cond = t.adapter.encode(["a red square", "a blue circle"])
+    kw = dict(
+        hidden_states=x,
+        encoder_hidden_states=cond["prompt_embeds"],
+        pooled_projections=cond["pooled_prompt_embeds"],
+        timestep=torch.tensor([500.0, 500.0]),
+        return_dict=False,
+    )
+    with torch.no_grad():
+        ours = t.adapter.model(**kw)[0]
+        theirs = pipe.transformer(**kw)[0]
+        with t.adapter.disabled_adapters():
+            base = t.adapter.model(**kw)[0]
+    assert not torch.allclose(ours, base)  # the trained LoRA does something
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_kl_to_reference(train_dict) -> None:
+    rows = train(recipe_from_dict(train_dict(algorithm={"kl_beta": 0.5}, trainer={"steps": 2})))
+    assert rows[0]["actor/kl_ref"] == 0.0  # LoRA B starts at zero: the policy is the reference
+    assert rows[1]["actor/kl_ref"] > 0.0
+    d = train_dict(algorithm={"kl_beta": 0.5})
+    d["lora"] = {"enabled": False}
+    with pytest.raises(TrainError, match=re.escape("kl_beta > 0 needs lora.enabled")):
+        LocalTrainer(recipe_from_dict(d)).setup()
+
+
+def test_ema_weights_and_exact_resume(train_dict, tmp_path: Path, monkeypatch) -> None:
+    common = {"steps": 3, "save_every": 1, "sample_every": 0, "val_every": 1}
+    opt = {"ema_decay": 0.5}
+    full_recipe = recipe_from_dict(
+        train_dict(trainer={**common, "output_dir": str(tmp_path / "full")}, optimizer=opt)
+    )
+    t = LocalTrainer(full_recipe)
+    full = t.train()
+    ema = t.adapter.adapter_state("ema")
+    live = t.adapter.adapter_state("default")
+    assert any(not torch.equal(ema[k], live[k]) for k in live)  # the EMA lags the weights
+    assert "ema/" + next(iter(live)) in load_file_keys(tmp_path / "full")
+
+    run = tmp_path / "cut"
+    rec = recipe_from_dict(train_dict(trainer={**common, "output_dir": str(run)}, optimizer=opt))
+    orig = LocalTrainer.train_step
+
+    def dying(self, step, logger):
+        if step == 2:
+            raise KeyboardInterrupt
+        return orig(self, step, logger)
+
+    monkeypatch.setattr(LocalTrainer, "train_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        train(rec)
+    monkeypatch.setattr(LocalTrainer, "train_step", orig)
+    resume(run)
+    assert _det(read_metrics(run / "metrics.jsonl")) == _det(full)
+
+
+def load_file_keys(run: Path) -> set[str]:
+    from safetensors import safe_open
+
+    path = run / "checkpoint" / "step_0003" / "trainable.safetensors"
+    with safe_open(str(path), "pt") as f:
+        return set(f.keys())
