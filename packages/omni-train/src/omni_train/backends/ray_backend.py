@@ -388,7 +388,8 @@ def _dead(exc: BaseException) -> bool:
 class WorkerPool:
     """Ray actors of one role. `call_all` fans work out and restarts dead actors.
 
-    `on_submit(pool)` (tests) runs right after work is submitted, i.e. mid-step."""
+    `before_submit(pool)` (tests) runs once, just before the next work is submitted: a test kills
+    an actor there, so the step meets a dead worker whatever the timing of the kill."""
 
     def __init__(
         self,
@@ -408,7 +409,7 @@ class WorkerPool:
         self.resources = resources
         self.max_restarts = max_restarts
         self.on_restart = on_restart
-        self.on_submit: Callable[[WorkerPool], None] | None = None
+        self.before_submit: Callable[[WorkerPool], None] | None = None
         self.restarts = 0
         self.handles = [self._start(i) for i in range(size)]
 
@@ -434,10 +435,10 @@ class WorkerPool:
 
     def submit(self, method: str, chunks: list[tuple[int, tuple]]) -> Pending:
         """Start `method(*args)` for each `(worker index, args)` without waiting."""
-        refs = [getattr(self.handles[i], method).remote(*args) for i, args in chunks]
-        if self.on_submit is not None:
-            hook, self.on_submit = self.on_submit, None  # fire once
+        if self.before_submit is not None:
+            hook, self.before_submit = self.before_submit, None  # fire once
             hook(self)
+        refs = [getattr(self.handles[i], method).remote(*args) for i, args in chunks]
         return Pending(self, method, chunks, refs)
 
     def call_all(self, method: str, chunks: list[tuple[int, tuple]]) -> list[Any]:
