@@ -7,6 +7,7 @@ dependencies when they are built; a missing one raises an error with the pip com
 
 from __future__ import annotations
 
+from . import audio as _audio  # noqa: F401 - registers the weight-free audio reward
 from . import image as _image  # noqa: F401 - registers the core rewards
 from .base import MissingDependencyError, Reward, RewardError, RewardLike, as_input
 from .image import PALETTE, find_color

@@ -170,7 +170,7 @@ def load_scorer(path: str | Path, device: str = "cpu") -> tuple[Any, LatentScore
     require_module("safetensors", "latent", "latent")
     from safetensors.torch import load_file
 
-    path = Path(path)
+    path = Path(path).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"path: {path} has no config.json (save it with save_scorer / distill-latent)"
