@@ -38,7 +38,7 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     "diffusion-rollout": (["omni-algos"], ["server", "test"]),
     "omni-train": (
         ["omni-algos", "omni-rewards", "omni-adapters", "diffusion-rollout"],
-        ["tensorboard", "ray", "test"],
+        ["tensorboard", "ray", "wandb", "parquet", "test"],
     ),
 }
 

@@ -125,9 +125,54 @@ class ToyDenoiser(nn.Module):
                 params[k].copy_(t)
 
 
+class ToyEditDenoiser(ToyDenoiser):
+    """ToyDenoiser conditioned on an image too (``needs_images``, like Qwen-Image-Edit).
+
+    ``encode(..., images=)`` takes uint8 (B, H, W, 3) or a list of (H, W, 3) of any sizes,
+    resizes each row alone to 8x8 (bilinear) and adds a projection of it to both branches'
+    pooled embedding; the resized image is the shared ``image_latents`` key.
+    """
+
+    needs_images = True
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.img_proj = nn.Linear(3 * 8 * 8, self.embed.embedding_dim)
+        self.seen_images: list = []
+
+    def encode(self, prompts, negative_prompts=None, images=None):
+        if images is None:
+            raise ValueError("images: the toy edit denoiser needs condition images")
+        self.seen_images.append(images)
+        rows = list(images) if isinstance(images, (list, tuple)) else list(images.unbind(0))
+        assert len(rows) == len(prompts)
+        small = torch.cat(
+            [
+                F.interpolate(
+                    r.permute(2, 0, 1)[None].float() / 255.0,
+                    size=(8, 8),
+                    mode="bilinear",
+                    align_corners=False,
+                )
+                for r in rows
+            ]
+        )
+        out = super().encode(prompts, negative_prompts)
+        feat = self.img_proj(small.flatten(1))
+        out["pooled_prompt_embeds"] = out["pooled_prompt_embeds"] + feat
+        out["negative_pooled_prompt_embeds"] = out["negative_pooled_prompt_embeds"] + feat
+        out["image_latents"] = small
+        return out
+
+
 @pytest.fixture
 def toy() -> ToyDenoiser:
     return ToyDenoiser()
+
+
+@pytest.fixture
+def toy_edit() -> ToyEditDenoiser:
+    return ToyEditDenoiser()
 
 
 def make_requests(
@@ -173,7 +218,8 @@ def _max_diff_fixture():
 def live_server(request):
     """Start `diffusion-rollout serve` (toy denoiser via the factory argument) on a free port
     in a background thread; yields (url, engine, toy). Use
-    ``@pytest.mark.parametrize("live_server", [{"token": "s3cret"}], indirect=True)`` for options."""
+    ``@pytest.mark.parametrize("live_server", [{"token": "s3cret"}], indirect=True)`` for options
+    (``{"edit": True}`` serves the image-conditioned toy)."""
     import socket
     import time
 
@@ -199,7 +245,7 @@ def live_server(request):
     if opts.get("token"):
         argv += ["--token", opts["token"]]
     args = build_parser().parse_args(argv)
-    toy = ToyDenoiser()
+    toy = ToyEditDenoiser() if opts.get("edit") else ToyDenoiser()
     app, engine = build_server(args, denoiser_factory=lambda path, device: toy)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

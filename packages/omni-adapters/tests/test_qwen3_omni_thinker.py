@@ -193,6 +193,61 @@ def test_generate_logprobs_match_replay_audio(adapter):
     _check_generate_matches_replay(adapter, batch, temperature=1.2, top_p=0.95, seed=3)
 
 
+def test_constrained_generate_matches_replay(adapter):
+    """`allowed_tokens` masks generation and replay alike: only the allowed ids (plus EOS) are
+    emitted and the replay of the masked distribution reproduces the rollout log-probs."""
+    allowed = adapter.allowed_token_ids(["A", "B", "C", "D"])
+    letters = {adapter.tokenizer.convert_tokens_to_ids(c) for c in "ABCD"}
+    eos = set(adapter._eos_ids())
+    assert set(allowed) == letters | eos
+    batch = adapter.build_batch(
+        [[{"type": "image"}, {"type": "text", "text": "count"}], "plain text row", "third"],
+        images=[_image(5)],
+    )
+    out = adapter.generate(
+        batch, max_new_tokens=6, temperature=1.3, top_p=0.95, seed=4, allowed_tokens=allowed
+    )
+    toks, lp, mask = out["tokens"], out["log_probs"], out["mask"]
+    assert set(toks[mask].tolist()) <= set(allowed)
+    assert all(set(t) <= set("ABCD") for t in out["texts"])
+    rb = {**batch, "responses": toks, "response_mask": mask, "temperature": out["temperature"]}
+    replay = adapter.token_log_probs({**rb, "allowed_tokens": allowed})
+    assert (replay.detach() - lp).abs().max().item() < 1e-4
+    # the masked distribution is renormalised over the allowed ids: its log-probs are higher
+    # than the unconstrained ones of the same tokens (which the replay must not mix up)
+    free = adapter.token_log_probs(rb).detach()
+    assert (lp[mask] > free[mask] + 1e-3).all()
+    # grads still flow through the masked replay
+    replay.sum().backward()
+    assert any(
+        p.grad is not None and p.grad.abs().sum() > 0 for p in adapter.trainable_parameters()
+    )
+    adapter.model.zero_grad(set_to_none=True)
+    # greedy under the mask picks the allowed id with the largest logit
+    g = adapter.generate(batch, max_new_tokens=1, temperature=0.0, allowed_tokens=allowed)
+    with torch.no_grad():
+        z = adapter(batch).logits[:, -1].float()
+    best = torch.tensor(allowed)[z[:, allowed].argmax(-1)]
+    assert torch.equal(g["tokens"][:, 0], best)
+
+
+def test_allowed_token_ids_errors(adapter):
+    with pytest.raises(ValueError, match="allowed_tokens: '' "):
+        adapter.allowed_token_ids(["A", ""])
+    with pytest.raises(ValueError, match="allowed_tokens: a list of strings"):
+        adapter.allowed_token_ids("ABCD")
+    with pytest.raises(ValueError, match="cannot emit"):
+        adapter.allowed_token_ids(["<|image_pad|>"])
+    # multi-token strings contribute each of their tokens; EOS is always allowed
+    ids = adapter.allowed_token_ids(["ab"])
+    assert set(ids) == set(adapter.tokenizer.encode("ab", add_special_tokens=False)) | set(
+        adapter._eos_ids()
+    )
+    batch = adapter.build_batch(["hi"])
+    with pytest.raises(ValueError, match="allowed_tokens"):
+        adapter.generate(batch, max_new_tokens=1, allowed_tokens=[10_000])
+
+
 def test_greedy_and_eos_mask(adapter):
     batch = adapter.build_batch(["hi"])
     a = adapter.generate(batch, max_new_tokens=4, temperature=0.0, seed=0)

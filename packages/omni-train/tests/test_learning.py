@@ -44,6 +44,40 @@ def test_shortened_quickstart_learns(tmp_path: Path, tiny_sd3: Path) -> None:
     assert (tmp_path / "qs" / "samples" / "step_0005.png").is_file()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("loss", "options"),
+    [("diffusion_nft", []), ("diffusion_dpo", ["algorithm.options={beta: 50.0}"])],
+)
+def test_forward_process_losses_learn(
+    tmp_path: Path, tiny_sd3: Path, loss: str, options: list[str]
+) -> None:
+    """DiffusionNFT and online DPO on the quickstart (ODE rollout): the reward rises."""
+    recipe = load_recipe(
+        QUICKSTART,
+        [
+            f"model.path={tiny_sd3}",
+            f"trainer.output_dir={tmp_path / loss}",
+            f"algorithm.name={loss}",
+            *options,
+            "rollout.sde_kind=ode",
+            "trainer.steps=20",
+            "trainer.progress=false",
+            "trainer.val_every=0",
+            "trainer.save_every=0",
+            "trainer.sample_every=0",
+        ],
+    )
+    rows = train(recipe)
+    r = np.array([row["reward/mean"] for row in rows])
+    first, last = r[:5].mean(), r[-5:].mean()
+    noise = max(row["reward/std"] for row in rows[:5]) / np.sqrt(32)
+    assert last > first + 0.01, (first, last, r.round(4).tolist())
+    assert last - first > 5 * noise
+    key = "actor/p_mean" if loss == "diffusion_nft" else "actor/pairs"
+    assert all(key in row for row in rows)
+
+
 def _det(rows):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
 
@@ -127,3 +161,6 @@ def test_cpu_twins_run_two_steps(tmp_path_factory) -> None:
         assert [r["step"] for r in rows] == [0, 1], path.name
         assert np.isfinite(rows[-1]["loss"]) and "val/reward_mean" in rows[-1], path.name
         assert (out / "checkpoint" / "step_0002" / "state.json").is_file(), path.name
+        if "audio" in recipe.reward.inputs:  # video+audio: a frame strip and a waveform plot
+            assert (out / "samples" / "val_step_0001_audio.png").is_file(), path.name
+            assert (out / "samples" / "val_step_0001_frames.png").is_file(), path.name

@@ -191,6 +191,62 @@ def test_tensorboard_scalars(train_dict) -> None:
     assert "samples" in ev.Tags()["images"]
 
 
+def test_wandb_offline_logs_and_resume_continues_the_run(train_dict, monkeypatch) -> None:
+    wandb = pytest.importorskip("wandb")  # the workspace installs it; a bare install may not
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    recipe = recipe_from_dict(train_dict(trainer={"steps": 2, "wandb": True, "save_every": 1}))
+    train(recipe)
+    run = Path(recipe.trainer.output_dir)
+    run_id = (run / "wandb_id.txt").read_text().strip()
+    (offline,) = (run / "wandb").glob(f"offline-run-*-{run_id}")
+    assert list(offline.glob(f"run-{run_id}.wandb")), "no wandb event file"
+    resume(run, ["trainer.steps=3"])  # the resumed run logs into the same wandb run id
+    assert (run / "wandb_id.txt").read_text().strip() == run_id
+    assert wandb.run is None  # the logger finished its run
+
+
+def test_grad_accumulation_gives_the_same_step(train_dict, tmp_path: Path) -> None:
+    """3 chunks of a 8-row minibatch (3 + 3 + 2 rows) sum to the whole minibatch's gradient."""
+    weights, losses = [], []
+    for g in (1, 3):
+        d = train_dict(optimizer={"grad_accumulation": g}, trainer={"sample_every": 0})
+        t = LocalTrainer(recipe_from_dict(d), tmp_path / f"acc{g}")
+        t.setup()
+        b = t.rollout(0)
+        t.score(b, 0)
+        m = t.update(b, 0)
+        losses.append(m["loss"])
+        weights.append({k: v.detach().clone() for k, v in t.params_named.items()})
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)
+    moved = False
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], atol=2e-6, rtol=0)
+        moved |= bool((weights[0][k] != 0).any())
+    assert moved
+
+
+def test_rollout_correction_weights_and_rejects(train_dict, tmp_path: Path) -> None:
+    """On matching log-probs the correction is a no-op; rows whose rollout log-prob is off by
+    +2 (IS ratio e^-2, outside [0.5, 2]) are rejected."""
+    rows = {}
+    for mode in ("off", "decoupled", "bypass"):
+        d = train_dict(algorithm={"rollout_correction": mode}, trainer={"sample_every": 0})
+        t = LocalTrainer(recipe_from_dict(d), tmp_path / mode)
+        t.setup()
+        b = t.rollout(0)
+        t.score(b, 0)
+        if mode == "bypass":  # a mismatched rollout engine on half the rows
+            for tr in b.trajectories[:4]:
+                tr.log_probs = tr.log_probs + 2.0
+        rows[mode] = t.update(b, 0)
+    assert rows["decoupled"]["loss"] == pytest.approx(rows["off"]["loss"], abs=1e-5)
+    assert rows["decoupled"]["rollout/correction_rejected_frac"] == 0.0
+    assert rows["decoupled"]["rollout/correction_logprob_abs_diff_max"] < 1e-4
+    assert rows["bypass"]["rollout/correction_rejected_frac"] == pytest.approx(0.5)
+    assert "rollout/correction_k3_kl" not in rows["off"]
+
+
 def test_lora_export_loads_in_diffusers(train_dict, tiny_sd3: Path) -> None:
     from diffusers import StableDiffusion3Pipeline
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -223,13 +224,7 @@ class RolloutClient:
                     f"requests[{i}].params.weights_version={v} conflicts with version={version}"
                 )
             if v is None:
-                r = RolloutRequest(
-                    r.prompt,
-                    r.seed,
-                    r.params.replace(weights_version=version),
-                    r.request_id,
-                    r.negative_prompt,
-                )
+                r = dataclasses.replace(r, params=r.params.replace(weights_version=version))
             out.append(r)
         return out
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import threading
 import time
@@ -41,7 +42,7 @@ from .types import (
     Trajectory,
     VersionMismatchError,
 )
-from .wave import denoise_wave
+from .wave import check_images, denoise_wave
 
 __all__ = ["EmbeddedEngine"]
 
@@ -72,7 +73,9 @@ class _Stats:
 def _sched_key(request: RolloutRequest) -> tuple:
     # compat_key without its weights_version slot: requests pinned to the current version and
     # requests that take any version run on the same weights, so they may share a wave.
-    return request.params.compat_key()[:-1]
+    # Requests with and without a condition image never share a wave (only one of them can
+    # suit the denoiser; that one runs, the other fails alone).
+    return (*request.params.compat_key()[:-1], request.image is not None)
 
 
 class EmbeddedEngine:
@@ -144,10 +147,9 @@ class EmbeddedEngine:
         for i, req in enumerate(requests):
             if not isinstance(req, RolloutRequest):
                 raise TypeError(f"requests[{i}] is a {type(req).__name__}, not a RolloutRequest")
+            check_images(self.denoiser, [req], f"requests[{i}]")
             if not req.request_id:
-                req = RolloutRequest(
-                    req.prompt, req.seed, req.params, f"req-{next(self._ids)}", req.negative_prompt
-                )
+                req = dataclasses.replace(req, request_id=f"req-{next(self._ids)}")
             entries.append(
                 _Entry(
                     req,

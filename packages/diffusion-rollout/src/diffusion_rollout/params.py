@@ -8,9 +8,13 @@ SDE kinds and SDE window starts stay per request (per row).
 
 from __future__ import annotations
 
+import base64
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+import numpy as np
+import torch
 
 __all__ = ["OUTPUTS", "SDE_KINDS", "RolloutRequest", "SamplingParams"]
 
@@ -176,6 +180,11 @@ class RolloutRequest:
         params: the sampling parameters.
         request_id: the caller's id, echoed in the trajectory (unique per engine queue).
         negative_prompt: for true CFG / guidance; None encodes "".
+        image: the condition image of an image-conditioned model (Qwen-Image-Edit): a uint8
+            ``(H, W, 3)`` numpy array or torch tensor, any size (the denoiser resizes it).
+            Required by a denoiser with ``needs_images = True``, refused by any other. Not part
+            of ``==`` / ``hash`` (arrays have no truth value); requests with images still share
+            a wave when their ``params.compat_key()`` agree.
     """
 
     prompt: str
@@ -183,6 +192,7 @@ class RolloutRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
     negative_prompt: str | None = None
+    image: np.ndarray | torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -206,23 +216,33 @@ class RolloutRequest:
                 "RolloutRequest.negative_prompt must be a string or None, got "
                 f"{type(self.negative_prompt).__name__}"
             )
+        if self.image is not None:
+            _check_image(self.image)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (the HTTP request body)."""
-        return {
+        """JSON-ready dict (the HTTP request body).
+
+        A condition image goes as ``"image": base64(safetensors blob)`` holding one uint8
+        tensor ``image`` of shape (H, W, 3) (needs ``safetensors``, the ``server`` extra); the
+        key is left out when there is no image.
+        """
+        data: dict[str, Any] = {
             "prompt": self.prompt,
             "seed": self.seed,
             "params": self.params.to_dict(),
             "request_id": self.request_id,
             "negative_prompt": self.negative_prompt,
         }
+        if self.image is not None:
+            data["image"] = image_to_base64(self.image)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RolloutRequest:
         """Build from a JSON dict; errors name the bad field."""
         if not isinstance(data, dict):
             raise ValueError(f"request body must be a JSON object, got {type(data).__name__}")
-        known = {"prompt", "seed", "params", "request_id", "negative_prompt"}
+        known = {"prompt", "seed", "params", "request_id", "negative_prompt", "image"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"RolloutRequest: unknown field(s) {unknown}; known: {sorted(known)}")
@@ -236,4 +256,85 @@ class RolloutRequest:
             params=SamplingParams.from_dict(params),
             request_id=data.get("request_id", "") or "",
             negative_prompt=data.get("negative_prompt"),
+            image=None if data.get("image") is None else image_from_base64(data["image"]),
         )
+
+
+def _check_image(image: Any) -> None:
+    if isinstance(image, np.ndarray):
+        dtype_ok, shape = image.dtype == np.uint8, tuple(image.shape)
+    elif isinstance(image, torch.Tensor):
+        dtype_ok, shape = image.dtype == torch.uint8, tuple(image.shape)
+    else:
+        raise ValueError(
+            "RolloutRequest.image must be a uint8 (H, W, 3) numpy array or torch tensor, got "
+            f"{type(image).__name__}"
+        )
+    if not dtype_ok:
+        raise ValueError(f"RolloutRequest.image must have dtype uint8, got {image.dtype}")
+    if len(shape) != 3 or shape[-1] != 3 or shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"RolloutRequest.image must have shape (H, W, 3), got {shape}")
+
+
+def image_to_base64(image: np.ndarray | torch.Tensor) -> str:
+    """base64 text of a safetensors blob holding ``image`` (uint8 (H, W, 3)) as tensor ``image``."""
+    try:
+        from safetensors.torch import save
+    except ImportError:  # pragma: no cover - the server extra
+        raise ImportError(
+            "RolloutRequest.image on the wire needs safetensors: pip install 'diffusion-rollout[server]'"
+        ) from None
+    _check_image(image)
+    t = torch.as_tensor(np.ascontiguousarray(image)) if isinstance(image, np.ndarray) else image
+    return base64.b64encode(save({"image": t.detach().to("cpu").contiguous().clone()})).decode()
+
+
+def image_from_base64(text: Any) -> torch.Tensor:
+    """Inverse of :func:`image_to_base64`; also takes base64 PNG/JPEG bytes (with pillow).
+
+    Errors name ``RolloutRequest.image``.
+    """
+    if not isinstance(text, str):
+        raise ValueError(
+            f"RolloutRequest.image must be a base64 string on the wire, got {type(text).__name__}"
+        )
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError as exc:
+        raise ValueError(f"RolloutRequest.image is not valid base64: {exc}") from None
+    if raw[:8] == b"\x89PNG\r\n\x1a\n" or raw[:3] == b"\xff\xd8\xff":
+        try:
+            import io
+
+            from PIL import Image
+        except ImportError:
+            raise ValueError(
+                "RolloutRequest.image: PNG/JPEG needs pillow on the server (pip install pillow); "
+                "or send a safetensors blob"
+            ) from None
+        try:
+            with Image.open(io.BytesIO(raw)) as im:
+                arr = np.asarray(im.convert("RGB"), dtype=np.uint8).copy()
+        except OSError as exc:
+            raise ValueError(f"RolloutRequest.image: cannot decode the image ({exc})") from None
+        return torch.from_numpy(arr)
+    try:
+        from safetensors.torch import load
+    except ImportError:  # pragma: no cover - the server extra
+        raise ValueError(
+            "RolloutRequest.image needs safetensors: pip install 'diffusion-rollout[server]'"
+        ) from None
+    try:
+        tensors = load(raw)
+    except Exception as exc:  # safetensors raises its own error type
+        raise ValueError(
+            f"RolloutRequest.image is neither PNG/JPEG nor a safetensors blob ({exc})"
+        ) from None
+    if set(tensors) != {"image"}:
+        raise ValueError(
+            f"RolloutRequest.image: the safetensors blob must hold one tensor 'image', got "
+            f"{sorted(tensors)}"
+        )
+    img = tensors["image"]
+    _check_image(img)
+    return img

@@ -3,7 +3,8 @@
 Endpoints (JSON errors are ``{"error": message, "field": name-or-null, "kind": ...}``):
 
 - ``POST /generate``: JSON body ``{"prompt", "seed", "params": {...}, "request_id",
-  "negative_prompt"}`` (a `RolloutRequest`); answers the trajectory as safetensors bytes
+  "negative_prompt", "image"?}`` (a `RolloutRequest`; ``image`` is base64 of a safetensors
+  blob with one uint8 (H, W, 3) tensor ``image``, or of PNG/JPEG bytes); answers the trajectory as safetensors bytes
   (``application/octet-stream``, see `diffusion_rollout.wire`). 400 names the bad field;
   409 = weights version mismatch; 503 = aborted (retry); 500 = the model failed.
 - ``POST /update_weights``: safetensors bytes of name -> tensor, version in the blob's
@@ -31,12 +32,13 @@ from starlette.routing import Route
 
 from .params import RolloutRequest
 from .types import RequestAborted, VersionMismatchError
+from .wave import check_images
 from .wire import tensors_from_bytes, trajectory_to_bytes, weights_checksum
 
 __all__ = ["create_app"]
 
 _FIELD = re.compile(r"\b(SamplingParams|RolloutRequest)\.(\w+)")
-_MAX_JSON = 1 << 20
+_MAX_JSON = 64 << 20  # a request body: JSON, with a base64 condition image at most
 
 
 def _error(status: int, message: str, *, field: str | None = None, kind: str = "bad_request"):
@@ -94,6 +96,9 @@ def create_app(engine: Any, *, token: str | None = None, max_body_mb: float = 20
             return _error(400, f"body is not valid JSON: {exc}", field="body")
         try:
             req = RolloutRequest.from_dict(data)
+            denoiser = getattr(engine, "denoiser", None)
+            if denoiser is not None:
+                check_images(denoiser, [req], "request")
         except (ValueError, TypeError) as exc:
             msg = str(exc)
             return _error(400, msg, field=_field_of(msg))

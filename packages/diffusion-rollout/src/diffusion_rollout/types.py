@@ -47,7 +47,12 @@ class Denoiser(Protocol):
         self, prompts: list[str], negative_prompts: list[str] | None = None
     ) -> dict[str, Tensor]:
         """Batch-first condition tensors of fixed per-row shape; ``negative_*`` keys hold the
-        negative branch ("" when ``negative_prompts`` is None)."""
+        negative branch ("" when ``negative_prompts`` is None).
+
+        An image-conditioned denoiser sets the class attribute ``needs_images = True`` and
+        takes ``encode(prompts, negative_prompts, images=...)``: the requests' condition
+        images as one uint8 (B, H, W, 3) tensor, or a list of (H, W, 3) tensors of different
+        sizes, that it resizes itself."""
         ...
 
     def init_latents(self, batch: int, params: Any, generators: list[torch.Generator]) -> Tensor:

@@ -12,6 +12,12 @@ in the order of docs/interfaces.md:
 Rows of one wave may have different SDE kinds, noise levels and windows: after each shared
 forward the rows in their window are grouped by (kind, noise level) for the step. Used by
 `EmbeddedEngine` and by the vllm-omni pipeline, so both produce the same trajectories.
+
+Image-conditioned denoisers (``needs_images = True``, e.g. Qwen-Image-Edit) get the requests'
+``RolloutRequest.image`` as ``encode(prompts, negatives, images=...)``: one uint8
+``(B, H, W, 3)`` tensor when every image has the same size, else a list of ``(H, W, 3)``
+tensors (the denoiser resizes them to its condition size). A wave's requests carry images
+all or none.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,7 +36,50 @@ from omni_algos import sde
 from .params import RolloutRequest
 from .types import Denoiser, Trajectory
 
-__all__ = ["denoise_wave"]
+__all__ = ["check_images", "denoise_wave"]
+
+
+def check_images(
+    denoiser: Any, requests: Sequence[RolloutRequest], where: str = "requests"
+) -> bool:
+    """Check the requests' condition images against the denoiser; True when they carry images.
+
+    All or none of ``requests`` may carry ``image``; a denoiser with ``needs_images = True``
+    needs them, any other refuses them. Errors are ValueErrors naming ``where`` and the field.
+    """
+    has = [r.image is not None for r in requests]
+    name = type(denoiser).__name__
+    if any(has) and not all(has):
+        i, j = has.index(True), has.index(False)
+        raise ValueError(
+            f"{where}: requests[{i}] carries RolloutRequest.image but requests[{j}] does not; "
+            "the requests of one wave carry a condition image all or none"
+        )
+    needs = bool(getattr(denoiser, "needs_images", False))
+    if needs and not any(has):
+        raise ValueError(
+            f"{where}: RolloutRequest.image is required: the denoiser ({name}) is "
+            "image-conditioned (needs_images) and needs a uint8 (H, W, 3) condition image per "
+            "request"
+        )
+    if any(has) and not needs:
+        raise ValueError(
+            f"{where}: RolloutRequest.image was given but the denoiser ({name}) takes no "
+            "condition images (it has no needs_images = True)"
+        )
+    return any(has)
+
+
+def _stack_images(requests: Sequence[RolloutRequest]) -> Tensor | list[Tensor]:
+    rows = [
+        torch.from_numpy(np.ascontiguousarray(r.image))
+        if isinstance(r.image, np.ndarray)
+        else r.image.detach().cpu()  # type: ignore[union-attr]
+        for r in requests
+    ]
+    if all(t.shape == rows[0].shape for t in rows):
+        return torch.stack(rows)
+    return rows
 
 
 def denoise_wave(
@@ -56,6 +107,7 @@ def denoise_wave(
                 f"denoise_wave: requests[{i}] is not compatible with requests[0] "
                 f"({r.params.compat_key()} vs {reqs[0].params.compat_key()})"
             )
+    with_images = check_images(den, reqs, "denoise_wave")
     t_start = time.monotonic() if t_start is None else t_start
     t_submit = [t_start] * len(reqs) if t_submit is None else list(t_submit)
     params = reqs[0].params
@@ -99,7 +151,10 @@ def denoise_wave(
     negs = None
     if any(r.negative_prompt is not None for r in reqs_s):
         negs = [r.negative_prompt or "" for r in reqs_s]
-    cond = den.encode([r.prompt for r in reqs_s], negs)
+    if with_images:
+        cond = den.encode([r.prompt for r in reqs_s], negs, images=_stack_images(reqs_s))
+    else:
+        cond = den.encode([r.prompt for r in reqs_s], negs)
     sig_all = den.sigmas(params).to(device=x.device, dtype=torch.float32)
     if sig_all.shape != (num_steps + 1,):
         raise ValueError(

@@ -4,7 +4,7 @@
     omni-train validate RECIPE [key=value ...]   check a recipe without running it
     omni-train resume RUN [key=value ...]    continue RUN from its latest checkpoint
     omni-train report RUN                    write RUN/report.html (curves, sample grids)
-    omni-train prepare NAME [--out DIR]      write a prompt dataset (ocr, pickscore, video)
+    omni-train prepare NAME [--out DIR]      write a dataset (ocr, pickscore, video, edit, mmk12)
 
 Bad recipes and runs that cannot start print one clear message, never a stack trace.
 """
@@ -43,11 +43,18 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
     elif cmd == "prepare":
         p = argparse.ArgumentParser(
             prog="omni-train prepare",
-            description="Write a prompt dataset as JSONL: ocr, pickscore, video.",
+            description="Write a dataset as JSONL: prompts (ocr, pickscore, video), or rows with "
+            "generated PNGs (edit: image-editing pairs; mmk12: the shapes task in MMK12 format).",
         )
-        p.add_argument("name", help="dataset: ocr, pickscore or video")
+        p.add_argument("name", help="dataset: ocr, pickscore, video, edit or mmk12")
         p.add_argument("--out", default=None, help="output folder (default data/NAME)")
-        p.add_argument("--seed", type=int, default=0, help="shuffle seed of the split")
+        p.add_argument("--seed", type=int, default=0, help="seed of the split / generated items")
+        p.add_argument(
+            "--size", type=int, default=None, help="edit, mmk12: image side in pixels (512, 32)"
+        )
+        p.add_argument(
+            "--count", type=int, default=None, help="edit, mmk12: generated items (512, 256)"
+        )
         return p
     elif cmd == "report":
         p = argparse.ArgumentParser(
@@ -86,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .prepare import prepare
 
             try:
-                paths = prepare(args.name, args.out, seed=args.seed)
+                paths = prepare(
+                    args.name, args.out, seed=args.seed, size=args.size, count=args.count
+                )
             except ValueError as exc:
                 raise RecipeError(str(exc)) from None
             for split, path in paths.items():

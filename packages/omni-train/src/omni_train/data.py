@@ -1,70 +1,264 @@
-"""Prompt datasets and the per-step prompt order.
+"""Prompt datasets (with optional condition images) and the per-step prompt order.
 
 The prompts of step `s` are a pure function of (run seed, s): the stream of prompt slots
 k = s * P + i (P prompts per step) walks epoch e = k // N through a permutation of the N
-prompts seeded by (seed, e). Resuming at step s therefore needs no saved data-loader state.
+rows seeded by (seed, e). Resuming at step s therefore needs no saved data-loader state.
+
+`data.file` formats (bad rows are reported by line number, or Parquet row number from 0):
+
+- ``.txt``: one prompt per non-empty line;
+- ``.jsonl`` (any other suffix): one object per line with a string ``prompt`` and optionally
+  ``image``, a PNG/JPEG path relative to the file's folder (or absolute): the source image of
+  an image-editing model (Qwen-Image-Edit). Other keys are ignored;
+- ``.parquet``: columns ``prompt`` (string) and optionally ``image``: a path string (relative
+  to the file's folder), PNG/JPEG bytes, or a ``{bytes, path}`` struct (the Hugging Face
+  `datasets` Image feature). Needs pyarrow (``pip install 'omni-train[parquet]'``).
+
+Images are checked (opened, header read) when the file is read and decoded to uint8 RGB
+``(H, W, 3)`` when a step uses them.
 """
 
 from __future__ import annotations
 
+import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from .recipe import DataConfig, RecipeError
 from .seeds import DOMAIN_DATA, derive_seed
 
+__all__ = ["DataRow", "ImageRef", "PromptData", "read_data_file", "read_prompt_file"]
 
-def read_prompt_file(path: str | Path) -> list[str]:
-    """Prompts from a JSONL file (one object with a `prompt` string per line) or a .txt file."""
+PARQUET_HINT = "pip install 'omni-train[parquet]' (or: pip install pyarrow)"
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """Where one row's image is: a file ``path`` or encoded ``data`` (PNG/JPEG bytes).
+
+    ``where`` names the row in errors ("data.file d.jsonl, line 3").
+    """
+
+    where: str
+    path: Path | None = None
+    data: bytes | None = field(default=None, repr=False)
+
+    def _open(self):
+        from PIL import Image
+
+        return Image.open(self.path if self.path is not None else io.BytesIO(self.data or b""))
+
+    def check(self) -> None:
+        """Open the image and read its header; RecipeError naming the row when that fails."""
+        try:
+            with self._open() as im:
+                im.size  # noqa: B018 - the header is read on open
+        except (OSError, ValueError) as exc:
+            what = f"image {self.path}" if self.path is not None else "image bytes"
+            raise RecipeError(f"{self.where}: {what}: {exc}") from None
+
+    def load(self) -> np.ndarray:
+        """The image as uint8 RGB ``(H, W, 3)``."""
+        try:
+            with self._open() as im:
+                return np.asarray(im.convert("RGB"), dtype=np.uint8).copy()
+        except (OSError, ValueError) as exc:
+            what = f"image {self.path}" if self.path is not None else "image bytes"
+            raise RecipeError(f"{self.where}: {what}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class DataRow:
+    """One row of a data file: its prompt and optional image."""
+
+    prompt: str
+    image: ImageRef | None = None
+
+
+def _image_path(value: str, base: Path, where: str) -> ImageRef:
+    ip = Path(value).expanduser()
+    ip = ip if ip.is_absolute() else base / ip
+    if not ip.is_file():
+        raise RecipeError(f"{where}: image {ip} does not exist")
+    ref = ImageRef(where, path=ip)
+    ref.check()
+    return ref
+
+
+def _read_jsonl(p: Path, key: str) -> list[DataRow]:
+    rows = []
+    for lineno, line in enumerate(p.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{key} {p}, line {lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RecipeError(f"{where}: not valid JSON ({exc})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise RecipeError(f"{where}: needs a string 'prompt' field")
+        image = row.get("image")
+        if image is not None and (not isinstance(image, str) or not image.strip()):
+            raise RecipeError(
+                f"{where}: 'image' must be a PNG/JPEG path (relative to the file), got {image!r}"
+            )
+        ref = None if image is None else _image_path(image, p.parent, where)
+        rows.append(DataRow(row["prompt"], ref))
+    return rows
+
+
+def _read_parquet(p: Path, key: str) -> list[DataRow]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise RecipeError(f"{key} {p}: reading Parquet needs pyarrow: {PARQUET_HINT}") from None
+    try:
+        table = pq.read_table(p)
+    except Exception as exc:  # pyarrow raises its own error types
+        raise RecipeError(f"{key} {p}: not a readable Parquet file ({exc})") from None
+    names = table.column_names
+    if "prompt" not in names:
+        raise RecipeError(f"{key} {p}: needs a 'prompt' column (columns: {names})")
+    prompts = table.column("prompt").to_pylist()
+    images = table.column("image").to_pylist() if "image" in names else [None] * len(prompts)
+    rows = []
+    for i, (prompt, image) in enumerate(zip(prompts, images)):
+        where = f"{key} {p}, row {i} (0-based)"
+        if not isinstance(prompt, str):
+            raise RecipeError(f"{where}: 'prompt' must be a string, got {prompt!r}")
+        if isinstance(image, dict):  # the datasets Image feature: {"bytes", "path"}
+            image = image.get("bytes") or image.get("path")
+        if image is None:
+            ref = None
+        elif isinstance(image, str) and image.strip():
+            ref = _image_path(image, p.parent, where)
+        elif isinstance(image, bytes) and image:
+            ref = ImageRef(where, data=image)
+            ref.check()
+        else:
+            raise RecipeError(
+                f"{where}: 'image' must be a path string or PNG/JPEG bytes, got "
+                f"{type(image).__name__}"
+            )
+        rows.append(DataRow(prompt, ref))
+    return rows
+
+
+def read_data_file(path: str | Path, key: str = "data.file") -> list[DataRow]:
+    """Rows (prompt, optional image) of a .txt, .jsonl or .parquet file; errors name `key`
+    and the line / row."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise RecipeError(f"data.file: {p} does not exist")
+        raise RecipeError(f"{key}: {p} does not exist")
     if p.suffix == ".txt":
-        prompts = [line.strip() for line in p.read_text().splitlines() if line.strip()]
+        rows = [DataRow(line.strip()) for line in p.read_text().splitlines() if line.strip()]
+    elif p.suffix == ".parquet":
+        rows = _read_parquet(p, key)
     else:
-        prompts = []
-        for lineno, line in enumerate(p.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise RecipeError(f"data.file {p}, line {lineno}: not valid JSON ({exc})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise RecipeError(f"data.file {p}, line {lineno}: needs a string 'prompt' field")
-            prompts.append(row["prompt"])
-    if not prompts:
-        raise RecipeError(f"data.file {p}: no prompts")
-    return prompts
+        rows = _read_jsonl(p, key)
+    if not rows:
+        raise RecipeError(f"{key} {p}: no prompts")
+    return rows
+
+
+def read_prompt_file(path: str | Path) -> list[str]:
+    """The prompts of a data file (see :func:`read_data_file`)."""
+    return [r.prompt for r in read_data_file(path)]
 
 
 @dataclass
 class PromptData:
-    prompts: list[str]
+    """The training rows and their per-step order.
+
+    ``prompts`` are the rows' prompts (the omni path keeps `OmniItem` objects here);
+    ``images`` the rows' image references (None: the source has no images at all), and
+    ``source`` names the source in errors.
+    """
+
+    prompts: list[Any]
     per_step: int
     seed: int
     shuffle: bool = True
+    images: list[ImageRef | None] | None = None
+    source: str = "data.prompts"
+    _orders: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, cfg: DataConfig, seed: int) -> PromptData:
-        prompts = list(cfg.prompts) if cfg.prompts is not None else read_prompt_file(cfg.file)  # type: ignore[arg-type]
-        return cls(prompts, cfg.prompts_per_step, seed, cfg.shuffle)
+        if cfg.prompts is not None:
+            return cls(list(cfg.prompts), cfg.prompts_per_step, seed, cfg.shuffle)
+        rows = read_data_file(cfg.file)  # type: ignore[arg-type]
+        images = [r.image for r in rows]
+        return cls(
+            [r.prompt for r in rows],
+            cfg.prompts_per_step,
+            seed,
+            cfg.shuffle,
+            images if any(im is not None for im in images) else None,
+            f"data.file {cfg.file}",
+        )
 
     def _order(self, epoch: int) -> list[int]:
         n = len(self.prompts)
         if not self.shuffle:
             return list(range(n))
-        g = torch.Generator().manual_seed(derive_seed(self.seed, epoch, 0, DOMAIN_DATA))
-        return torch.randperm(n, generator=g).tolist()
+        if epoch not in self._orders:
+            if len(self._orders) > 4:
+                self._orders.clear()
+            g = torch.Generator().manual_seed(derive_seed(self.seed, epoch, 0, DOMAIN_DATA))
+            self._orders[epoch] = torch.randperm(n, generator=g).tolist()
+        return self._orders[epoch]
 
-    def prompts_for_step(self, step: int) -> list[str]:
-        """The `per_step` distinct-slot prompts of training step `step`."""
+    def rows_for_step(self, step: int) -> list[int]:
+        """The row indices of training step `step` (a pure function of (seed, step))."""
         n = len(self.prompts)
         out = []
         for i in range(self.per_step):
             k = step * self.per_step + i
-            out.append(self.prompts[self._order(k // n)[k % n]])
+            out.append(self._order(k // n)[k % n])
         return out
+
+    def prompts_for_step(self, step: int) -> list[Any]:
+        """The `per_step` distinct-slot prompts of training step `step`."""
+        return [self.prompts[j] for j in self.rows_for_step(step)]
+
+    @property
+    def has_images(self) -> bool:
+        """True when every row has an image."""
+        return self.images is not None and all(im is not None for im in self.images)
+
+    def missing_image(self) -> str | None:
+        """Why the rows cannot feed an image-conditioned model (None when every row has an
+        image): the source has no images, or the first row without one."""
+        if self.images is None:
+            if self.source == "data.prompts":
+                return (
+                    "data.prompts are text only: use a data.file whose rows carry an 'image' "
+                    "(e.g. `omni-train prepare edit`)"
+                )
+            return f"{self.source} has no 'image' column / field"
+        for im, prompt in zip(self.images, self.prompts):
+            if im is None:
+                return f"{self.source}: the row with prompt {prompt!r} has no 'image'"
+        return None
+
+    def image(self, row: int) -> np.ndarray:
+        """Row `row`'s image as uint8 RGB (H, W, 3); RecipeError when it has none."""
+        ref = None if self.images is None else self.images[row]
+        if ref is None:
+            raise RecipeError(f"{self.source}: row {row} has no 'image'")
+        return ref.load()
+
+    def images_for_step(self, step: int) -> list[np.ndarray]:
+        """The images of `prompts_for_step(step)`, aligned with them."""
+        return [self.image(j) for j in self.rows_for_step(step)]
+
+    def val_image(self, i: int) -> np.ndarray:
+        """The image of validation prompt `i`: row ``i mod N``'s (the validation prompts
+        default to the first rows, so prompt and image come from the same row)."""
+        return self.image(i % len(self.prompts))

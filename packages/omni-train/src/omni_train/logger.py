@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,16 @@ def _clean(value: Any) -> Any:
 class MetricsLogger:
     """Appends step rows to `<run>/metrics.jsonl` and mirrors scalars to TensorBoard."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = False,
+        wandb: dict[str, Any] | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.tb = None
+        self.wandb = None if wandb is None else _wandb_run(self.run_dir, **wandb)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -62,16 +69,62 @@ class MetricsLogger:
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(
+                {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))},
+                step=int(row["step"]),
+            )
 
     def log_image(self, tag: str, image: np.ndarray, step: int) -> None:
         if self.tb is not None:
             self.tb.add_image(tag, np.asarray(image), step, dataformats="HWC")
             self.tb.flush()
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({tag: wandb.Image(np.asarray(image))}, step=step)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def open_logger(recipe: Any, run_dir: str | Path) -> MetricsLogger:
+    """The run's logger as the recipe asks: metrics.jsonl, plus TensorBoard and wandb."""
+    t = recipe.trainer
+    wandb = None
+    if t.wandb:
+        wandb = {
+            "project": t.wandb_project,
+            "name": recipe.experiment,
+            "config": recipe.model_dump(mode="json"),
+        }
+    return MetricsLogger(run_dir, tensorboard=t.tensorboard, wandb=wandb)
+
+
+def _wandb_run(run_dir: Path, project: str, name: str, config: dict[str, Any]) -> Any:
+    """A wandb run under `<run>/wandb`; its id is kept in `<run>/wandb_id.txt`, so a resumed
+    run continues the same wandb run. `WANDB_MODE=offline` works without a network."""
+    try:
+        import wandb
+    except ImportError:
+        raise TrainError(
+            "trainer.wandb is true but wandb is not installed; fix: pip install 'omni-train[wandb]'"
+        ) from None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    id_file = run_dir / "wandb_id.txt"
+    if id_file.is_file():
+        run_id = id_file.read_text().strip()
+    else:
+        run_id = secrets.token_hex(4)  # wandb ids: lowercase letters and digits
+        id_file.write_text(run_id + "\n")
+    return wandb.init(
+        project=project, name=name, id=run_id, resume="allow", dir=str(run_dir), config=config
+    )
 
 
 def console_line(row: dict[str, Any], total_steps: int) -> str:

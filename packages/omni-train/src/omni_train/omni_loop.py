@@ -6,7 +6,10 @@ One step (prompt batch -> responses -> reward -> group advantages -> token-loss 
    sample i of step s is generated with the seed `sample_seed(run_seed, s, i)` by
    `ThinkerAdapter.generate` (temperature `rollout.temperature`, top-p `rollout.top_p`,
    at most `rollout.max_new_tokens` tokens), in chunks of `rollout.max_num_seqs` rows. The
-   rollout records the per-token log-probs `lp_old` of the sampled tokens.
+   rollout records the per-token log-probs `lp_old` of the sampled tokens. With
+   `rollout.allowed_tokens` (constrained decoding) every token outside those strings' tokens
+   (plus EOS) is masked to -inf in generation, validation and the replay of step 4 alike, so
+   the trained policy is the masked, renormalised distribution.
 2. The reward (`math`, `choice`, ...) reads the responses and the reference answers
    (`reward.extract: first_letter` shows it only the first free-standing choice letter).
 3. Advantages are group-relative, ``A_i = (r_i - mean_g) / (std_g + eps)``
@@ -40,7 +43,7 @@ import torch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import PromptData
 from .errors import NonFiniteError, TrainError
-from .logger import MetricsLogger, console_line
+from .logger import MetricsLogger, console_line, open_logger
 from .plots import plot_reward_curve, read_metrics, save_sample_grid
 from .recipe import OMNI_LOSSES, Recipe, RecipeError, dump_recipe, load_recipe
 from .seeds import DOMAIN_MINIBATCH, DOMAIN_VAL, derive_seed, sample_seed
@@ -145,6 +148,13 @@ class OmniTrainer:
                     "model with the LoRA adapters disabled"
                 )
             self.adapter.set_trainable("full")
+        self.allowed_ids: list[int] | None = None
+        if r.rollout.allowed_tokens:
+            try:
+                self.allowed_ids = self.adapter.allowed_token_ids(r.rollout.allowed_tokens)
+            except ValueError as exc:
+                msg = str(exc).removeprefix("allowed_tokens: ")
+                raise RecipeError(f"rollout.allowed_tokens: {msg}") from None
         self.ema = r.optimizer.ema_decay > 0
         if self.ema:
             if not r.lora.enabled:
@@ -203,6 +213,7 @@ class OmniTrainer:
                 temperature=temperature,
                 top_p=top_p,
                 seed=seeds[s : s + len(chunk)],
+                allowed_tokens=self.allowed_ids,
             )
             temp_out = float(out.get("temperature", temperature or 1.0))
             t = out["tokens"].shape[1]
@@ -340,6 +351,7 @@ class OmniTrainer:
                         "responses": batch.tokens[idx, :t],
                         "response_mask": mask[:, :t],
                         "temperature": batch.temperature,
+                        "allowed_tokens": self.allowed_ids,
                     }
                     lp = self.adapter.token_log_probs(rb)
                     old = batch.log_probs[idx, :t]
@@ -485,7 +497,7 @@ class OmniTrainer:
             clear_run_dir(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "recipe.yaml").write_text(dump_recipe(r))
-        logger = MetricsLogger(self.run_dir, tensorboard=r.trainer.tensorboard)
+        logger = open_logger(r, self.run_dir)
         start = self.restore(resume_from) if resume_from is not None else 0
         logger.truncate_after(start - 1)
         rows: list[dict[str, Any]] = []

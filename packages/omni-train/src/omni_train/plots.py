@@ -99,3 +99,39 @@ def save_sample_grid(
     out.parent.mkdir(parents=True, exist_ok=True)
     image_grid(images, cols, labels, scale=scale).save(out)
     return out
+
+
+def save_frame_strip(frames: np.ndarray, path: str | Path, max_frames: int = 8) -> Path:
+    """A video's frames left to right (at most `max_frames`, evenly spaced) as one PNG."""
+    f = np.asarray(frames)
+    idx = np.linspace(0, f.shape[0] - 1, min(max_frames, f.shape[0])).round().astype(int)
+    h = int(f.shape[1])
+    scale = max(1, 64 // max(h, 1))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    image_grid(f[idx], cols=len(idx), labels=[f"t{i}" for i in idx], scale=scale).save(out)
+    return out
+
+
+def save_waveform_plot(waveform: np.ndarray, sample_rate: int, path: str | Path) -> Path:
+    """One sample's waveform, `(channels, samples)` or `(samples,)`, plotted against seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w = np.atleast_2d(np.asarray(waveform, dtype=np.float32))
+    t = np.arange(w.shape[1]) / float(sample_rate)
+    fig, ax = plt.subplots(figsize=(6, 2.2), dpi=100)
+    for c, ch in enumerate(w):
+        ax.plot(t, ch, linewidth=0.6, label=f"channel {c}")
+    ax.set_xlabel("seconds")
+    ax.set_ylim(-1.05, 1.05)
+    if len(w) > 1:
+        ax.legend(loc="upper right", fontsize=7)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +29,8 @@ class RecipeError(ValueError):
 #: tiny families and losses of the omni (autoregressive) path; see `Recipe.is_omni`
 OMNI_FAMILIES = ("qwen3_omni_thinker",)
 OMNI_LOSSES = ("gspo", "grpo")
+#: losses on re-noised clean samples (omni_train.forward_process), not on the SDE replay
+FORWARD_PROCESS_LOSSES = ("diffusion_nft", "diffusion_dpo")
 
 
 class _Section(BaseModel):
@@ -70,22 +73,47 @@ class LoraConfig(_Section):
     target_modules: list[str] | None = Field(
         None, description="Module names to wrap; null = the adapter's attention projections."
     )
+    full_regex: str | None = Field(
+        None,
+        description="With `enabled: false`: only parameters whose full name matches this "
+        "regex train (e.g. BAGEL's generation expert `.*_moe_gen.*`); null = every parameter "
+        "of the trainable component.",
+    )
+
+    @field_validator("full_regex")
+    @classmethod
+    def _regex(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from None
+        return v
+
     init_seed: int = Field(
         0, description="Seed for the LoRA A matrices' random init (B starts at zero)."
     )
 
 
 class DataConfig(_Section):
-    """Prompt source. Either an inline list or a JSONL file with a `prompt` field per line."""
+    """Prompt source. Either an inline list or a data file (JSONL / Parquet / .txt)."""
 
     prompts: list[str] | None = Field(None, description="Inline training prompts.")
-    file: str | None = Field(None, description="JSONL file of training prompts (`prompt` key).")
+    file: str | None = Field(
+        None,
+        description="Training rows: JSONL (`prompt`, optional `image`: a PNG/JPEG path "
+        "relative to the file, the source image of an image-editing model), `.parquet` "
+        "(columns `prompt`, optional `image` as path or bytes; needs `omni-train[parquet]`) "
+        "or `.txt` (one prompt per line). See omni_train.data.",
+    )
     prompts_per_step: int = Field(
         4, ge=1, description="Distinct prompts per step (each repeated `rollout.n` times)."
     )
     shuffle: bool = Field(True, description="Shuffle prompt order each epoch (seeded).")
     val_prompts: list[str] | None = Field(
-        None, description="Fixed validation prompts (default: the first training prompts)."
+        None,
+        description="Fixed validation prompts (default: the first training prompts). With an "
+        "image-conditioned model, validation prompt i uses the image of data row i.",
     )
     task: str | None = Field(
         None,
@@ -137,12 +165,30 @@ class RolloutConfig(_Section):
     val_temperature: float = Field(
         0.0, ge=0, description="Omni path: validation temperature (0 = greedy)."
     )
+    allowed_tokens: list[str] | None = Field(
+        None,
+        description="Omni path: constrained decoding. Rollout, validation and the trainer's "
+        "replay mask every token outside the union of these strings' tokens (plus EOS) to "
+        "-inf before the softmax, so the policy trained is that renormalised distribution "
+        "(e.g. `[A, B, C, D]` for choice letters). null or [] = unconstrained.",
+    )
 
 
 class RewardTerm(_Section):
     name: str = Field(description="Registered reward name.")
     weight: float = Field(1.0, description="Weight in the sum.")
     options: dict[str, Any] = Field(default_factory=dict, description="Reward options.")
+
+
+class LatentDistillConfig(_Section):
+    """Fit the `latent` reward's scorer from this model's rollouts (omni_train.latent_scorer)."""
+
+    teacher: str = Field("brightness", description="Image reward the scorer learns to imitate.")
+    teacher_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword options for the teacher reward."
+    )
+    samples: int = Field(256, ge=10, description="Rollouts (latent, decoded image) to fit on.")
+    steps: int = Field(300, ge=1, description="Scorer optimisation steps.")
 
 
 class RewardConfig(_Section):
@@ -154,6 +200,18 @@ class RewardConfig(_Section):
     )
     terms: list[RewardTerm] | None = Field(
         None, description="Several rewards combined by weight (instead of `name`)."
+    )
+    inputs: list[Literal["media", "latents", "audio"]] = Field(
+        ["media"],
+        description="Diffusion path: what the reward is given: `media` (decoded images or "
+        "videos), `latents` (the clean final latents; without `media` the training rollout "
+        "skips the VAE decode), `audio` (the waveform of a video+audio model, with its "
+        "sample rate).",
+    )
+    distill: LatentDistillConfig | None = Field(
+        None,
+        description="`name: latent` only: when `options.path` holds no scorer, fit one there "
+        "first, on rollouts of this model scored by `distill.teacher`.",
     )
     extract: Literal["response", "first_letter"] = Field(
         "response",
@@ -183,6 +241,30 @@ class AlgorithmConfig(_Section):
     options: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for the loss."
     )
+    rollout_correction: Literal["off", "decoupled", "bypass"] = Field(
+        "off",
+        description="Rollout vs trainer log-prob mismatch (a bf16 or external rollout "
+        "engine): `decoupled` recomputes the trainer's log-probs as the PPO anchor and weights "
+        "by truncated IS; `bypass` keeps the rollout's and only rejects outliers.",
+    )
+    train_timesteps: int = Field(
+        2,
+        ge=1,
+        description="diffusion_nft / diffusion_dpo: noised copies (t, eps draws) of each clean "
+        "sample per pass.",
+    )
+    timestep_range: tuple[float, float] = Field(
+        (0.0, 1.0),
+        description="diffusion_nft / diffusion_dpo: [lo, hi] the training t is drawn from "
+        "uniformly (x_t = (1 - t) x0 + t eps).",
+    )
+
+    @field_validator("timestep_range")
+    @classmethod
+    def _t_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not 0.0 <= v[0] < v[1] <= 1.0:
+            raise ValueError(f"needs 0 <= lo < hi <= 1, got {list(v)}")
+        return v
 
 
 class OptimizerConfig(_Section):
@@ -194,6 +276,12 @@ class OptimizerConfig(_Section):
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     weight_decay: float = Field(1e-4, ge=0, description="Decoupled weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    grad_accumulation: int = Field(
+        1,
+        ge=1,
+        description="Chunks each minibatch goes through the model in, their gradients summed "
+        "before the optimizer step (less activation memory, the same step).",
+    )
     ema_decay: float = Field(
         0.0,
         ge=0,
@@ -255,6 +343,12 @@ class TrainerConfig(_Section):
     )
     val_samples_per_prompt: int = Field(2, ge=1, description="Validation images per prompt.")
     tensorboard: bool = Field(False, description="Also write TensorBoard scalars and images.")
+    wandb: bool = Field(
+        False,
+        description="Also log to Weights & Biases (extra `wandb`; `WANDB_MODE=offline` works "
+        "without a network); the run is `<output>/wandb`, resumed runs continue it.",
+    )
+    wandb_project: str = Field("omni-rl", description="wandb project name.")
     progress: bool = Field(True, description="Show a tqdm progress bar.")
     threads: int | None = Field(None, ge=1, description="torch.set_num_threads (CPU).")
 
@@ -324,6 +418,33 @@ class Recipe(_Section):
                 f"algorithm.name: the omni path (model.tiny {self.model.tiny}) trains with a "
                 f"token loss, one of {', '.join(OMNI_LOSSES)}; got {self.algorithm.name!r}"
             )
+        if self.reward.distill is not None and self.reward.name != "latent":
+            problems.append("reward.distill: only for `reward.name: latent`")
+        if not self.reward.inputs or len(set(self.reward.inputs)) != len(self.reward.inputs):
+            problems.append(
+                f"reward.inputs: a non-empty list without repeats, got {self.reward.inputs}"
+            )
+        if self.algorithm.rollout_correction != "off" and self.trainer.backend != "local":
+            problems.append(
+                "algorithm.rollout_correction: runs with trainer.backend local (the async "
+                "mode corrects stale samples with trainer.async_correction)"
+            )
+        if self.algorithm.name in FORWARD_PROCESS_LOSSES:
+            if self.trainer.backend != "local" or self.trainer.mode != "sync":
+                problems.append(
+                    f"algorithm.name: {self.algorithm.name} runs with trainer.backend local and "
+                    "trainer.mode sync (the ray and async loops replay SDE steps)"
+                )
+            if self.optimizer.grad_accumulation > 1:
+                problems.append(
+                    f"optimizer.grad_accumulation: {self.algorithm.name} takes whole "
+                    "minibatches for now; use algorithm.num_minibatches to shrink them"
+                )
+            if self.algorithm.name == "diffusion_dpo" and not self.lora.enabled:
+                problems.append(
+                    "algorithm.name: diffusion_dpo needs lora.enabled (its reference is the base "
+                    "model with the LoRA off)"
+                )
         if self.data.task is not None and not self.is_omni():
             problems.append(
                 "data.task: generated tasks are for the omni path (algorithm gspo/grpo)"

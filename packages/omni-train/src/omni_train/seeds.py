@@ -25,6 +25,8 @@ DOMAIN_SAMPLE = 0
 DOMAIN_DATA = 1
 DOMAIN_VAL = 2
 DOMAIN_MINIBATCH = 3
+DOMAIN_FORWARD = 4  # (t, eps) draws of the forward-process losses
+DOMAIN_DISTILL = 5  # rollouts that fit a latent reward model
 
 
 def mix64(x: int) -> int:

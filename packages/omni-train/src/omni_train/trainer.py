@@ -22,6 +22,7 @@ import inspect
 import json
 import math
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -34,9 +35,17 @@ import torch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import PromptData
 from .errors import NonFiniteError, TrainError
-from .logger import MetricsLogger, console_line
-from .plots import plot_reward_curve, read_metrics, save_sample_grid
-from .recipe import Recipe, RecipeError, dump_recipe, load_recipe
+from .forward_process import forward_process_update
+from .latent_scorer import ensure_latent_scorer
+from .logger import MetricsLogger, console_line, open_logger
+from .plots import (
+    plot_reward_curve,
+    read_metrics,
+    save_frame_strip,
+    save_sample_grid,
+    save_waveform_plot,
+)
+from .recipe import FORWARD_PROCESS_LOSSES, Recipe, RecipeError, dump_recipe, load_recipe
 from .seeds import DOMAIN_MINIBATCH, DOMAIN_VAL, derive_seed, sample_seed
 
 #: metrics that measure wall-clock time (they differ between runs; everything else must not)
@@ -130,6 +139,22 @@ def clear_run_dir(run_dir: Path) -> None:
             p.unlink()
 
 
+def set_full_trainable(adapter: Any, recipe: Recipe) -> None:
+    """Full fine-tuning: every parameter of the trainable component, or with
+    `lora.full_regex` only those whose full name matches it."""
+    modules: list[str] = []
+    if recipe.lora.full_regex is not None:
+        pattern = re.compile(recipe.lora.full_regex)
+        names = [n for n, _ in adapter.model.named_parameters()]
+        modules = [n for n in names if pattern.fullmatch(n)]
+        if not modules:
+            raise TrainError(
+                f"lora.full_regex: {recipe.lora.full_regex!r} matches no parameter of the "
+                f"model (e.g. {names[0]!r})"
+            )
+    adapter.set_trainable("full", modules=modules)
+
+
 def build_reward(recipe: Recipe) -> Any:
     """`load_reward` (one name) or a `MultiReward` (several `terms`), with clear errors."""
     import omni_rewards
@@ -141,7 +166,7 @@ def build_reward(recipe: Recipe) -> Any:
             raise TrainError(f"{key}: {exc}") from None
         except KeyError as exc:
             raise TrainError(f"{key}: {exc.args[0] if exc.args else exc}") from None
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, FileNotFoundError) as exc:
             raise TrainError(f"{key} / options: {exc}") from None
 
     r = recipe.reward
@@ -246,7 +271,7 @@ class LocalTrainer:
                     "algorithm.kl_beta > 0 needs lora.enabled: the KL reference is the base "
                     "model with the LoRA adapters disabled"
                 )
-            self.adapter.set_trainable("full")
+            set_full_trainable(self.adapter, r)
             self.lora_modules = 0
         self.ema = r.optimizer.ema_decay > 0
         if self.ema:
@@ -264,10 +289,20 @@ class LocalTrainer:
             eps=o.eps,
             weight_decay=o.weight_decay,
         )
-        self.params = r.sampling_params()
+        inputs = r.reward.inputs
+        if "audio" in inputs and not hasattr(self.adapter, "decode_av"):
+            raise TrainError(
+                f"reward.inputs: audio needs a video+audio model (ltx2); "
+                f"{type(self.adapter).__name__} makes no waveform"
+            )
+        # the rollout decodes only when the reward reads pixels (audio: decoded here, jointly)
+        decode = "media" in inputs and "audio" not in inputs
+        self.params = r.sampling_params(output="both" if decode else "latent")
         self.engine = EmbeddedEngine(self.adapter, max_num_seqs=r.rollout.max_num_seqs)
-        self.reward = build_reward(r)
         self.data = PromptData.from_config(r.data, r.trainer.seed)
+        # `reward.distill`: the latent reward model is fitted here, before it is loaded
+        ensure_latent_scorer(r, self.engine, r.sampling_params(), self.data.prompts)
+        self.reward = build_reward(r)
         self._setup_done = True
 
     # -------------------------------------------------------------- rollout
@@ -276,8 +311,19 @@ class LocalTrainer:
 
         r = self.recipe
         prompts_step = self.data.prompts_for_step(step)
+        # An image-conditioned model (Qwen-Image-Edit) gets each row's source image; the
+        # rows are the same pure function of (seed, step) as the prompts.
+        images_step: list[Any] = [None] * len(prompts_step)
+        if getattr(self.adapter, "needs_images", False):
+            why = self.data.missing_image()
+            if why is not None:
+                raise TrainError(
+                    f"data.file: the model ({type(self.adapter).__name__}) is image-conditioned "
+                    f"and needs a source image per row; {why}"
+                )
+            images_step = self.data.images_for_step(step)
         prompts, group_ids, seeds, reqs = [], [], [], []
-        for g, prompt in enumerate(prompts_step):
+        for g, (prompt, image) in enumerate(zip(prompts_step, images_step)):
             for _ in range(r.rollout.n):
                 i = len(prompts)
                 seed = sample_seed(r.trainer.seed, step, i)
@@ -286,7 +332,11 @@ class LocalTrainer:
                 seeds.append(seed)
                 reqs.append(
                     RolloutRequest(
-                        prompt=prompt, seed=seed, params=self.params, request_id=f"s{step}-{i}"
+                        prompt=prompt,
+                        seed=seed,
+                        params=self.params,
+                        request_id=f"s{step}-{i}",
+                        image=image,
                     )
                 )
         before = self.engine.stats()
@@ -301,12 +351,16 @@ class LocalTrainer:
 
     # -------------------------------------------------------------- reward
     def score(self, batch: StepBatch, step: int) -> None:
-        from omni_rewards import RewardError, RewardInput
+        from omni_rewards import RewardError
 
-        media = torch.stack([t.media for t in batch.trajectories]).numpy()
-        batch.images = still_frames(media)
+        r = self.recipe
+        grid = bool(r.trainer.sample_every) and (
+            step % r.trainer.sample_every == 0 or step + 1 == r.trainer.steps
+        )
+        inp, media, _ = self.reward_input(batch.trajectories, batch.prompts, self.params, grid)
+        batch.images = None if media is None else still_frames(media)
         try:
-            out = self.reward(RewardInput(**media_fields(media), prompts=batch.prompts))
+            out = self.reward(inp)
         except RewardError as exc:
             if "non-finite" in str(exc):
                 path = self.save_bad_samples(batch, step, None, "reward")
@@ -326,6 +380,35 @@ class LocalTrainer:
         batch.reward_details = {
             k: np.asarray(v) for k, v in (out.details or {}).items() if np.asarray(v).ndim == 1
         }
+
+    def reward_input(
+        self, trajs: list[Any], prompts: list[str], params: Any, pixels: bool = False
+    ) -> tuple[Any, np.ndarray | None, np.ndarray | None]:
+        """What the reward sees of a batch (`reward.inputs`): decoded media, the clean final
+        latents, the waveform. Returns `(RewardInput, media or None, waveforms
+        or None)`; media is (B, H, W, 3) or (B, F, H, W, 3) uint8. A latent-only reward gets no decode unless `pixels` asks for pictures (the
+        sample grid, validation)."""
+        from omni_rewards import RewardInput
+
+        inputs = self.recipe.reward.inputs
+        fields: dict[str, Any] = {"prompts": prompts}
+        media = waves = None
+        if "audio" in inputs:  # video+audio: frames and waveform from one decode
+            with torch.no_grad():
+                av = self.adapter.decode_av(_stack(trajs, "final_latent"), params)
+            media = av["frames"].cpu().numpy()
+            waves = av["waveform"].float().cpu().numpy()
+            fields.update(audio=waves, sample_rate=int(av["sample_rate"]))
+        elif trajs[0].media is not None:
+            media = _stack(trajs, "media").numpy()
+        elif pixels:
+            media = self.adapter.decode(_stack(trajs, "final_latent")).cpu().numpy()
+        if "media" in inputs:
+            assert media is not None  # the rollout decodes whenever `media` is asked for
+            fields.update(media_fields(media))
+        if "latents" in inputs:
+            fields["latents"] = _stack(trajs, "final_latent").float().numpy()
+        return RewardInput(**fields), media, waves
 
     def save_bad_samples(
         self, batch: StepBatch, step: int, scores: np.ndarray | None, what: str
@@ -358,6 +441,8 @@ class LocalTrainer:
 
         r = self.recipe
         a = r.algorithm
+        if a.name in FORWARD_PROCESS_LOSSES:  # DiffusionNFT / DPO: no SDE replay
+            return forward_process_update(self, batch, step)
         trajs = batch.trajectories
         rewards = torch.as_tensor(batch.rewards, dtype=torch.float32)
         adv = group_advantages(rewards, torch.as_tensor(batch.group_ids), std=a.adv_std)
@@ -401,6 +486,27 @@ class LocalTrainer:
                 everyone = torch.arange(B)
                 old_mean = [replay(everyone, j, grad=False).mean for j in range(W)]
 
+        # rollout correction: when the rollout engine's log-probs differ from the trainer's
+        # (bf16 or another engine), weight or reject samples (omni_algos.correction)
+        anchor, corr_w, corr_metrics = old_lp, None, {}
+        if a.rollout_correction != "off":
+            from omni_algos.correction import rollout_correction
+
+            if "weights" not in inspect.signature(self.loss_fn).parameters:
+                raise TrainError(
+                    f"algorithm.rollout_correction: {a.name} takes no per-sample `weights`"
+                )
+            with torch.no_grad():
+                everyone = torch.arange(B)
+                prox = torch.stack(
+                    [replay(everyone, j, grad=False).log_prob.float() for j in range(W)], dim=1
+                )
+            cc = rollout_correction(prox, old_lp, mode=a.rollout_correction, is_level="token")
+            corr_w = cc.weights.float()
+            if a.rollout_correction == "decoupled":  # the trainer's log-probs anchor the ratio
+                anchor = prox
+            corr_metrics = {f"rollout/correction_{k}": v for k, v in cc.metrics.items()}
+
         first_pass_diffs: list[torch.Tensor] = []
         for epoch in range(a.epochs):
             g = torch.Generator().manual_seed(
@@ -408,43 +514,51 @@ class LocalTrainer:
             )
             perm = torch.randperm(B, generator=g) if a.num_minibatches > 1 else torch.arange(B)
             for k in range(a.num_minibatches):
-                idx = perm[k * mb : (k + 1) * mb]
+                rows = perm[k * mb : (k + 1) * mb]
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_total = 0.0
-                for j in range(W):
-                    out = replay(idx, j)
-                    if epoch == 0 and k == 0:  # minibatch 0 runs on the rollout weights
-                        first_pass_diffs.append((out.log_prob.detach() - old_lp[idx, j]).abs())
-                    lo = _call_loss(
-                        self.loss_fn,
-                        log_prob=out.log_prob,
-                        old_log_prob=old_lp[idx, j],
-                        advantages=adv[idx],
-                        mean=out.mean,
-                        old_mean=None if old_mean is None else old_mean[j][idx],
-                        std=out.std,
-                        sqrt_dt=out.sqrt_dt,
-                        clip_range=a.clip_range,
-                        adv_clip_max=a.adv_clip_max,
-                        **a.options,
-                    )
-                    if a.kl_beta > 0:  # KL to the reference (the base model, LoRA off)
-                        with torch.no_grad(), self.adapter.disabled_adapters():
-                            ref = replay(idx, j, grad=False)
-                        step_std = out.std * out.sqrt_dt if r.rollout.sde_kind == "sde" else out.std
-                        kl = kl_penalty(out.mean, ref.mean, step_std)
-                        lo.loss = lo.loss + a.kl_beta * kl.loss
-                        acc("actor/kl_ref", kl.metrics["kl"])
-                    if not torch.isfinite(lo.loss):
-                        path = self.save_bad_samples(batch, step, batch.rewards, "loss")
-                        raise NonFiniteError(
-                            f"step {step}: loss is {float(lo.loss)} (window step {j}, minibatch "
-                            f"{k}); samples saved to {path}"
+                # gradient accumulation: the minibatch's rows in `grad_accumulation` chunks;
+                # each chunk's (row-mean) loss is weighted by its share of the rows, so the
+                # summed gradient is the whole minibatch's
+                for idx in rows.chunk(min(r.optimizer.grad_accumulation, len(rows))):
+                    share = len(idx) / len(rows)
+                    for j in range(W):
+                        out = replay(idx, j)
+                        if epoch == 0 and k == 0:  # minibatch 0 runs on the rollout weights
+                            first_pass_diffs.append((out.log_prob.detach() - old_lp[idx, j]).abs())
+                        lo = _call_loss(
+                            self.loss_fn,
+                            log_prob=out.log_prob,
+                            old_log_prob=anchor[idx, j],
+                            advantages=adv[idx],
+                            weights=None if corr_w is None else corr_w[idx, j],
+                            mean=out.mean,
+                            old_mean=None if old_mean is None else old_mean[j][idx],
+                            std=out.std,
+                            sqrt_dt=out.sqrt_dt,
+                            clip_range=a.clip_range,
+                            adv_clip_max=a.adv_clip_max,
+                            **a.options,
                         )
-                    (lo.loss / W).backward()
-                    loss_total += float(lo.loss.detach()) / W
-                    for name, val in lo.metrics.items():
-                        acc(f"actor/{name}", val)
+                        if a.kl_beta > 0:  # KL to the reference (the base model, LoRA off)
+                            with torch.no_grad(), self.adapter.disabled_adapters():
+                                ref = replay(idx, j, grad=False)
+                            step_std = (
+                                out.std * out.sqrt_dt if r.rollout.sde_kind == "sde" else out.std
+                            )
+                            kl = kl_penalty(out.mean, ref.mean, step_std)
+                            lo.loss = lo.loss + a.kl_beta * kl.loss
+                            acc("actor/kl_ref", kl.metrics["kl"])
+                        if not torch.isfinite(lo.loss):
+                            path = self.save_bad_samples(batch, step, batch.rewards, "loss")
+                            raise NonFiniteError(
+                                f"step {step}: loss is {float(lo.loss)} (window step {j}, minibatch "
+                                f"{k}); samples saved to {path}"
+                            )
+                        (lo.loss * share / W).backward()
+                        loss_total += float(lo.loss.detach()) * share / W
+                        for name, val in lo.metrics.items():
+                            acc(f"actor/{name}", val)
                 gn = torch.nn.utils.clip_grad_norm_(params, r.optimizer.grad_clip)
                 if not torch.isfinite(gn):
                     path = self.save_bad_samples(batch, step, batch.rewards, "grad")
@@ -463,6 +577,7 @@ class LocalTrainer:
             metrics["rollout/logprob_diff_max"] = float(d.max())
             metrics["rollout/logprob_diff_mean"] = float(d.mean())
         metrics["actor/adv_abs_mean"] = float(adv.abs().mean())
+        metrics.update(corr_metrics)
         return metrics
 
     # -------------------------------------------------------------- sync
@@ -475,7 +590,6 @@ class LocalTrainer:
     def validate(self, step: int) -> dict[str, float]:
         """Deterministic ODE sampling (noise 0) on the fixed validation prompts."""
         from diffusion_rollout import RolloutRequest
-        from omni_rewards import RewardInput
 
         r = self.recipe
         prompts = list(r.data.val_prompts or self.data.prompts[: r.data.prompts_per_step])
@@ -492,7 +606,13 @@ class LocalTrainer:
                 seed = derive_seed(r.trainer.seed, 0, pi * 1000 + k, DOMAIN_VAL)
                 reqs.append(
                     RolloutRequest(
-                        prompt=prompt, seed=seed, params=params, request_id=f"val{step}-{len(reqs)}"
+                        prompt=prompt,
+                        seed=seed,
+                        params=params,
+                        request_id=f"val{step}-{len(reqs)}",
+                        image=self.data.val_image(pi)
+                        if getattr(self.adapter, "needs_images", False)
+                        else None,
                     )
                 )
                 vprompts.append(prompt)
@@ -501,12 +621,19 @@ class LocalTrainer:
                 trajs = self.engine.generate_many(reqs)
         else:
             trajs = self.engine.generate_many(reqs)
-        media = torch.stack([t.media for t in trajs]).numpy()
-        images = still_frames(media)
-        out = self.reward(RewardInput(**media_fields(media), prompts=vprompts))
+        inp, media, waves = self.reward_input(trajs, vprompts, params, pixels=True)
+        out = self.reward(inp)
         scores = np.asarray(out.scores, dtype=np.float64)
+        assert media is not None
+        samples = self.run_dir / "samples"
+        if media.ndim == 5:  # video: the first sample's frames side by side
+            save_frame_strip(media[0], samples / f"val_step_{step:04d}_frames.png")
+        if waves is not None:
+            save_waveform_plot(
+                waves[0], int(inp.sample_rate), samples / f"val_step_{step:04d}_audio.png"
+            )
         save_sample_grid(
-            images,
+            still_frames(media),
             self.run_dir / "samples" / f"val_step_{step:04d}.png",
             cols=r.trainer.val_samples_per_prompt,
             labels=[f"{s:.3f}" for s in scores],
@@ -594,7 +721,7 @@ class LocalTrainer:
             clear_run_dir(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "recipe.yaml").write_text(dump_recipe(r))
-        logger = MetricsLogger(self.run_dir, tensorboard=r.trainer.tensorboard)
+        logger = open_logger(r, self.run_dir)
         start = self.restore(resume_from) if resume_from is not None else 0
         logger.truncate_after(start - 1)
         rows: list[dict[str, Any]] = []

@@ -23,7 +23,10 @@ the model's distribution at temperature ``T`` *before* top-p truncation::
 
 where ``z_t`` are the thinker's logits with the multimodal placeholder ids (image, video and
 audio pad tokens) set to ``-inf`` (the model must never emit them as text: a sampled
-placeholder would break the replay's feature scatter). Sampling draws from the top-p (nucleus,
+placeholder would break the replay's feature scatter) and, under constrained decoding
+(``allowed_tokens``: token ids, see :meth:`Qwen3OmniThinkerAdapter.allowed_token_ids`), every
+id outside the allowed set set to ``-inf`` as well, so the distribution is renormalised over
+the allowed ids; generate and replay apply the same mask. Sampling draws from the top-p (nucleus,
 Holtzman et al. 2020) renormalised version of that distribution, from one CPU
 ``torch.Generator`` per row. This is the convention of vLLM's ``logprobs`` (raw, temperature
 scaled) and of verl's actor replay (``logits / T``), so rollout and trainer agree.
@@ -295,16 +298,67 @@ class Qwen3OmniThinkerAdapter(ThinkerAdapter):
         )
         return pos.round().to(torch.int64)
 
-    def _processed_logits(self, logits: Tensor, temperature: float) -> Tensor:
-        """``z / T`` in float32 with the multimodal placeholder ids masked to ``-inf``."""
-        z = logits.float()
+    def _placeholder_ids(self) -> list[int]:
         cfg = self.thinker.config
-        bad = [cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id]
-        bad = [i for i in bad if 0 <= i < z.shape[-1]]
+        return [cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id]
+
+    def _processed_logits(
+        self, logits: Tensor, temperature: float, allowed: Tensor | None = None
+    ) -> Tensor:
+        """``z / T`` in float32 with the multimodal placeholder ids masked to ``-inf`` and,
+        with ``allowed`` (a bool (V,) keep-mask), every id it does not keep as well."""
+        z = logits.float()
+        bad = [i for i in self._placeholder_ids() if 0 <= i < z.shape[-1]]
         if bad:
             z = z.clone()
             z[..., bad] = float("-inf")
+        if allowed is not None:
+            z = z.masked_fill(~allowed.to(z.device), float("-inf"))
         return z / (temperature if temperature > 0 else 1.0)
+
+    def _keep_mask(
+        self, allowed_tokens: Sequence[int] | Tensor | None, vocab: int
+    ) -> Tensor | None:
+        """The bool (V,) keep-mask of constrained decoding (None: unconstrained)."""
+        if allowed_tokens is None:
+            return None
+        ids = torch.as_tensor(allowed_tokens, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            return None
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"allowed_tokens: ids must lie in [0, {vocab}), got {ids.tolist()}")
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[ids] = True
+        keep[[i for i in self._placeholder_ids() if 0 <= i < vocab]] = False
+        if not keep.any():
+            raise ValueError("allowed_tokens: only multimodal placeholder ids, nothing to emit")
+        return keep
+
+    def allowed_token_ids(self, strings: Sequence[str]) -> list[int]:
+        """Token ids for constrained decoding: the union of the ids each string tokenizes to
+        (no special tokens added; a special token such as ``<|im_end|>`` written out counts),
+        plus the EOS id(s), sorted. ``ValueError`` naming the string when it is empty, maps to
+        the unknown token, to an id outside the thinker's logits, or to a placeholder."""
+        if isinstance(strings, str):
+            raise ValueError(f"allowed_tokens: a list of strings, got the string {strings!r}")
+        vocab = int(self.thinker.config.get_text_config().vocab_size)
+        unk = self.tokenizer.unk_token_id
+        placeholders = set(self._placeholder_ids())
+        out = set(self._eos_ids())
+        for s in strings:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"allowed_tokens: {s!r} is not a non-empty string")
+            ids = list(self.tokenizer.encode(s, add_special_tokens=False))
+            if not ids or (unk is not None and unk in ids):
+                raise ValueError(f"allowed_tokens: {s!r} does not map to tokens in the vocabulary")
+            bad = [i for i in ids if not 0 <= i < vocab or i in placeholders]
+            if bad:
+                raise ValueError(
+                    f"allowed_tokens: {s!r} maps to ids {bad} that the model cannot emit "
+                    f"(outside its {vocab} logits, or a multimodal placeholder)"
+                )
+            out.update(int(i) for i in ids)
+        return sorted(out)
 
     def forward(self, batch: dict[str, Tensor], **kwargs: Any) -> Any:
         """The thinker forward with int64 M-RoPE position ids computed here."""
@@ -328,6 +382,7 @@ class Qwen3OmniThinkerAdapter(ThinkerAdapter):
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | list[int] = 0,
+        allowed_tokens: Sequence[int] | None = None,
     ) -> dict[str, Any]:
         """Sample up to ``max_new_tokens`` per row with a KV cache.
 
@@ -335,7 +390,9 @@ class Qwen3OmniThinkerAdapter(ThinkerAdapter):
         gives ``seed + b``). ``temperature <= 0`` is greedy (log-probs then at T = 1).
         Returns ``tokens`` (B, T) int64 (pad after EOS), ``log_probs`` (B, T) float32 (0 after
         EOS), ``mask`` (B, T) bool (True up to and including EOS), ``texts`` and the
-        ``temperature`` the log-probs refer to. See the module docstring for the distribution.
+        ``temperature`` the log-probs refer to. ``allowed_tokens`` (token ids, e.g. from
+        :meth:`allowed_token_ids`; None or empty = unconstrained) restricts sampling and the
+        log-probs to those ids. See the module docstring for the distribution.
         """
         from transformers import DynamicCache
 
@@ -367,11 +424,12 @@ class Qwen3OmniThinkerAdapter(ThinkerAdapter):
             **self._mm_inputs(batch),
         )
         logits = out.logits[:, -1]
+        keep = self._keep_mask(allowed_tokens, logits.shape[-1])
         tokens, log_probs, alive_hist = [], [], []
         alive = torch.ones(b, dtype=torch.bool)
         attn = mask
         for k in range(max_new_tokens):
-            z = self._processed_logits(logits, temperature).cpu()
+            z = self._processed_logits(logits, temperature, keep).cpu()
             lp = torch.log_softmax(z, dim=-1)
             if temperature <= 0:
                 tok = z.argmax(-1)
@@ -429,9 +487,10 @@ class Qwen3OmniThinkerAdapter(ThinkerAdapter):
 
         ``batch`` is the prompt batch (as given to :meth:`generate`) plus ``responses``
         (B, T) int64 (or ``tokens``) and optionally ``response_mask`` (B, T) (or ``mask``);
-        ``temperature`` defaults to ``batch["temperature"]`` or 1. One forward over
-        prompt + response; response positions continue the prompt's M-RoPE index exactly as
-        in :meth:`generate`. Returns (B, T) float32, 0 where the mask is False."""
+        ``temperature`` defaults to ``batch["temperature"]`` or 1; ``batch["allowed_tokens"]``
+        (token ids, as given to :meth:`generate`) replays the constrained distribution. One
+        forward over prompt + response; response positions continue the prompt's M-RoPE index
+        exactly as in :meth:`generate`. Returns (B, T) float32, 0 where the mask is False."""
         batch = self._as_batch(batch)
         resp = batch.get("responses", batch.get("tokens"))
         if resp is None:
@@ -460,7 +519,8 @@ class Qwen3OmniThinkerAdapter(ThinkerAdapter):
             position_ids=full_pos,
             **self._mm_inputs(batch),
         )
-        z = self._processed_logits(out.logits[:, length - 1 : length - 1 + t], temperature)
+        keep = self._keep_mask(batch.get("allowed_tokens"), out.logits.shape[-1])
+        z = self._processed_logits(out.logits[:, length - 1 : length - 1 + t], temperature, keep)
         lp = torch.log_softmax(z, dim=-1).gather(-1, resp[..., None])[..., 0]
         return torch.where(rmask, lp, torch.zeros_like(lp)).float()
 

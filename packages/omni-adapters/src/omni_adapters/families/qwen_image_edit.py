@@ -40,13 +40,18 @@ EDIT_TEMPLATE = (
 
 
 def images_to_tensor(images: Any, size: tuple[int, int]) -> Tensor:
-    """uint8 ``(B, H, W, 3)`` tensor/array or list of PIL images -> float ``(B, 3, h, w)`` in
-    [0, 1], bilinearly resized to ``size``."""
+    """uint8 ``(B, H, W, 3)`` tensor/array, or a list of PIL images / uint8 ``(H, W, 3)``
+    arrays or tensors (sizes may differ), -> float ``(B, 3, h, w)`` in [0, 1], bilinearly
+    resized to ``size`` (each row alone, so a row does not depend on the others)."""
     if isinstance(images, (list, tuple)):
         rows = [
-            torch.from_numpy(np.asarray(im.convert("RGB") if hasattr(im, "convert") else im))
+            im.detach().cpu()
+            if isinstance(im, Tensor)
+            else torch.from_numpy(np.asarray(im.convert("RGB") if hasattr(im, "convert") else im))
             for im in images
         ]
+        if rows and any(r.shape != rows[0].shape for r in rows):
+            return torch.cat([images_to_tensor(r.unsqueeze(0), size) for r in rows])
         x = torch.stack(rows)
     else:
         x = torch.as_tensor(np.asarray(images) if not isinstance(images, Tensor) else images)

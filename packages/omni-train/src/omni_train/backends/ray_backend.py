@@ -40,7 +40,7 @@ import torch
 
 from ..errors import TrainError
 from ..recipe import Recipe
-from ..trainer import LocalTrainer, StepBatch, _loss_fn, _stack, ensure_model
+from ..trainer import LocalTrainer, StepBatch, _loss_fn, _stack, ensure_model, set_full_trainable
 
 __all__ = [
     "ActorWorker",
@@ -85,7 +85,7 @@ def load_policy(recipe: Recipe) -> Any:
             r.lora.rank, r.lora.alpha, target_modules=r.lora.target_modules, dropout=r.lora.dropout
         )
     else:
-        adapter.set_trainable("full")
+        set_full_trainable(adapter, r)
     return adapter
 
 
