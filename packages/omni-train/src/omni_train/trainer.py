@@ -314,7 +314,7 @@ class LocalTrainer:
         # An image-conditioned model (Qwen-Image-Edit) gets each row's source image; the
         # rows are the same pure function of (seed, step) as the prompts.
         images_step: list[Any] = [None] * len(prompts_step)
-        if getattr(self.adapter, "needs_images", False):
+        if getattr(getattr(self, "adapter", None), "needs_images", False):
             why = self.data.missing_image()
             if why is not None:
                 raise TrainError(
