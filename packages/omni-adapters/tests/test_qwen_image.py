@@ -146,3 +146,15 @@ def test_edit_condition_latents_join_the_token_axis_and_are_cropped(edit):
     with torch.no_grad():
         vb = edit.velocity(x, s, {**a, "image_latents": b["image_latents"]}, p)
     assert not torch.allclose(va, vb)
+
+
+def test_edit_images_of_different_sizes_resize_row_by_row():
+    from omni_adapters.families.qwen_image_edit import images_to_tensor
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 256, (32, 32, 3), generator=g, dtype=torch.uint8)
+    b = torch.randint(0, 256, (24, 40, 3), generator=g, dtype=torch.uint8)
+    both = images_to_tensor([a, b.numpy()], (16, 16))
+    assert both.shape == (2, 3, 16, 16)
+    assert torch.equal(both[0], images_to_tensor(a[None], (16, 16))[0])
+    assert torch.equal(both[1], images_to_tensor(b[None], (16, 16))[0])
