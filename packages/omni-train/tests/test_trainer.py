@@ -132,6 +132,29 @@ def test_missing_model_path_is_clear(train_dict, tmp_path: Path) -> None:
         LocalTrainer(recipe_from_dict(d)).setup()
 
 
+def test_tiny_build_race_keeps_the_other_runs_model(tmp_path: Path, monkeypatch) -> None:
+    """Two runs building the same tiny model at once: the loser keeps the winner's folder."""
+    from types import SimpleNamespace
+
+    from omni_adapters import tiny
+    from omni_train.trainer import ensure_model
+
+    target = tmp_path / "models" / "sd3"
+
+    def build_while_another_finishes(family: str, path: Path, seed: int = 0) -> Path:
+        Path(path).mkdir(parents=True)
+        (Path(path) / "config.json").write_text('{"ours": true}')
+        target.mkdir(parents=True)  # the other run renamed its build into place first
+        (target / "config.json").write_text('{"theirs": true}')
+        return Path(path)
+
+    monkeypatch.setattr(tiny, "build", build_while_another_finishes)
+    recipe = SimpleNamespace(model=SimpleNamespace(path=str(target), tiny="sd3", tiny_seed=0))
+    assert ensure_model(recipe) == target
+    assert json.loads((target / "config.json").read_text()) == {"theirs": True}
+    assert [p.name for p in target.parent.iterdir()] == ["sd3"]  # no leftover build folder
+
+
 def test_unknown_reward_and_missing_extra(train_dict, monkeypatch) -> None:
     import omni_rewards
 

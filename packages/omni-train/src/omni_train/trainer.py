@@ -85,12 +85,14 @@ def ensure_model(recipe: Recipe) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise TrainError(f"model.tiny: {exc}") from None
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        path.rmdir()
     try:
+        if path.exists():
+            path.rmdir()  # the empty folder checked above
         tmp.rename(path)
-    except OSError:  # another process built it meanwhile
+    except OSError:  # another run built it meanwhile: keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (path / "config.json").is_file() and not (path / "model_index.json").is_file():
+            raise TrainError(f"model.path: could not move the tiny model into {path}") from None
     return path
 
 
