@@ -39,6 +39,16 @@ def tiny_sd3(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_thinker(tmp_path_factory) -> Path:
+    """One tiny Qwen3-Omni thinker folder shared by the session's tests."""
+    from omni_adapters import tiny
+
+    path = tmp_path_factory.mktemp("tiny") / "thinker"
+    tiny.build("qwen3_omni_thinker", path, seed=0)
+    return path
+
+
 @pytest.fixture
 def recipe_dict(tmp_path: Path):
     """A factory: `recipe_dict()` returns a fresh minimal recipe dict."""

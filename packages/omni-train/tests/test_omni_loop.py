@@ -14,15 +14,6 @@ from omni_train.recipe import RecipeError, recipe_from_dict
 from omni_train.trainer import TIMING_PREFIXES, resume, train
 
 
-@pytest.fixture(scope="module")
-def tiny_thinker(tmp_path_factory) -> Path:
-    from omni_adapters import tiny
-
-    path = tmp_path_factory.mktemp("tiny") / "thinker"
-    tiny.build("qwen3_omni_thinker", path, seed=0)
-    return path
-
-
 def _omni_dict(tmp_path: Path, model: Path, **sections) -> dict:
     d = {
         "experiment": "omni-test",

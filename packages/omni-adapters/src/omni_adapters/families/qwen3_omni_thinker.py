@@ -620,8 +620,15 @@ def tiny_config(token_ids: dict[str, int]) -> Any:
     checkpoint has them to strip)."""
     from transformers import Qwen3OmniMoeConfig
 
+    # Weights drawn with std 0.2, not transformers' 0.02: in a 32-wide random model at 0.02 the
+    # output head caps the gap between two logits below ~1 and an image moves the answer logits
+    # by ~1e-4, so not even supervised training teaches the tiny model to read an image; at 0.2
+    # it can (the CPU twin's shapes task rises above chance). Real checkpoints are unaffected.
+    init = 0.2
     thinker = {
+        "initializer_range": init,
         "audio_config": {
+            "initializer_range": init,
             "num_mel_bins": 16,
             "encoder_layers": 1,
             "encoder_attention_heads": 2,
@@ -635,6 +642,7 @@ def tiny_config(token_ids: dict[str, int]) -> Any:
             "downsample_hidden_size": 4,
         },
         "vision_config": {
+            "initializer_range": init,
             "depth": 2,
             "hidden_size": 16,
             "intermediate_size": 32,
@@ -647,6 +655,7 @@ def tiny_config(token_ids: dict[str, int]) -> Any:
             "deepstack_visual_indexes": [0],
         },
         "text_config": {
+            "initializer_range": init,
             "vocab_size": 320,
             "hidden_size": 32,
             "intermediate_size": 64,
