@@ -36,6 +36,18 @@ def test_unknown_loss_and_reward(recipe_file: Path, capsys) -> None:
     assert "algorithm.name: unknown loss 'nope'" in capsys.readouterr().err
     assert main(["validate", str(recipe_file), "reward.name=nope"]) == 2
     assert "reward.name: unknown reward 'nope'" in capsys.readouterr().err
+    assert main(["validate", str(recipe_file), "algorithm.name=flowgrpo"]) == 2
+    assert "unknown loss 'flowgrpo' (did you mean 'flow_grpo'?)" in capsys.readouterr().err
+    assert main(["validate", str(recipe_file), "reward.name=pickscorr"]) == 2
+    assert "unknown reward 'pickscorr' (did you mean 'pickscore'?)" in capsys.readouterr().err
+
+
+def test_size_the_model_cannot_take(recipe_file: Path, capsys) -> None:
+    """An image size off the model's latent grid fails at setup naming the key, no traceback."""
+    assert main([str(recipe_file), "rollout.height=33", "trainer.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.height: 33 is not a positive multiple of" in err
+    assert "Traceback" not in err
 
 
 def test_missing_recipe_and_bad_yaml(tmp_path: Path, capsys) -> None:

@@ -114,3 +114,13 @@ def test_edit_model_without_images_names_data_file(tmp_path: Path, tiny_edit) ->
     t.setup()
     with pytest.raises(TrainError, match=r"data.file: the model \(QwenImageEditAdapter\) is"):
         t.rollout(0)
+
+
+def test_edit_model_on_backend_ray_is_refused_clearly(tmp_path: Path, tiny_edit) -> None:
+    """The Ray rollout workers carry no images yet: say so before any worker starts."""
+    from omni_train.backends.ray_backend import RayTrainer
+
+    d = edit_recipe(tmp_path, tiny_edit, {"prompts": ["make it red", "b"]})
+    d["trainer"] = {**d.get("trainer", {}), "backend": "ray", "num_workers": 1}
+    with pytest.raises(TrainError, match=r"model.path: .* is image-conditioned.*backend local"):
+        RayTrainer(recipe_from_dict(d)).setup()

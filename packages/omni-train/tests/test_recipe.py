@@ -116,6 +116,22 @@ def test_missing_required_and_cross_field(recipe_dict) -> None:
         recipe_from_dict(d)
 
 
+@pytest.mark.parametrize(
+    ("section", "value", "key"),
+    [
+        ("reward", {"name": "latent", "inputs": ["latents"]}, "reward.inputs"),
+        ("optimizer", {"grad_accumulation": 2}, "optimizer.grad_accumulation"),
+    ],
+)
+def test_what_backend_ray_cannot_do_yet_is_named(recipe_dict, section, value, key) -> None:
+    d = recipe_dict()
+    d[section] = {**d.get(section, {}), **value}
+    recipe_from_dict(d)  # fine on the local backend
+    d["trainer"] = {**d.get("trainer", {}), "backend": "ray"}
+    with pytest.raises(RecipeError, match=re.escape(key) + r": .*backend ray"):
+        recipe_from_dict(d)
+
+
 @pytest.mark.parametrize("bad", ["noequals", "=3", "a..b=3", "trainer.steps=[1"])
 def test_malformed_overrides(bad: str) -> None:
     with pytest.raises(RecipeError):

@@ -429,6 +429,20 @@ class Recipe(_Section):
                 "algorithm.rollout_correction: runs with trainer.backend local (the async "
                 "mode corrects stale samples with trainer.async_correction)"
             )
+        if self.trainer.backend == "ray":
+            # what the Ray workers do not carry yet: say so rather than drop it silently
+            if list(self.reward.inputs) != ["media"]:
+                problems.append(
+                    f"reward.inputs: trainer.backend ray scores decoded media only for now, got "
+                    f"{self.reward.inputs}; use trainer.backend local"
+                )
+            if self.reward.distill is not None:
+                problems.append("reward.distill: fit the latent scorer with trainer.backend local")
+            if self.optimizer.grad_accumulation > 1:
+                problems.append(
+                    "optimizer.grad_accumulation: trainer.backend ray splits minibatches over its "
+                    "workers instead; use algorithm.num_minibatches"
+                )
         if self.algorithm.name in FORWARD_PROCESS_LOSSES:
             if self.trainer.backend != "local" or self.trainer.mode != "sync":
                 problems.append(
@@ -527,6 +541,14 @@ def suggest(loc: tuple[Any, ...]) -> str | None:
         return same_leaf[0]
     close = difflib.get_close_matches(".".join(names), all_keys, n=1, cutoff=0.6)
     return close[0] if close else None
+
+
+def unknown_name(key: str, kind: str, name: str, known: Any) -> str:
+    """``"<key>: unknown <kind> 'x' (did you mean 'y'?); known: a, b"`` for a registry lookup."""
+    names = sorted(str(k) for k in known)
+    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{key}: unknown {kind} {name!r}{hint}; known: {', '.join(names)}"
 
 
 def _fmt_loc(loc: tuple[Any, ...]) -> str:

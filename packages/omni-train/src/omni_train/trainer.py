@@ -45,7 +45,14 @@ from .plots import (
     save_sample_grid,
     save_waveform_plot,
 )
-from .recipe import FORWARD_PROCESS_LOSSES, Recipe, RecipeError, dump_recipe, load_recipe
+from .recipe import (
+    FORWARD_PROCESS_LOSSES,
+    Recipe,
+    RecipeError,
+    dump_recipe,
+    load_recipe,
+    unknown_name,
+)
 from .seeds import DOMAIN_MINIBATCH, DOMAIN_VAL, derive_seed, sample_seed
 
 #: metrics that measure wall-clock time (they differ between runs; everything else must not)
@@ -186,9 +193,7 @@ def _loss_fn(recipe: Recipe):
 
     name = recipe.algorithm.name
     if name not in LOSSES:
-        raise RecipeError(
-            f"algorithm.name: unknown loss {name!r}; known: {', '.join(sorted(LOSSES))}"
-        )
+        raise RecipeError(unknown_name("algorithm.name", "loss", name, LOSSES))
     return LOSSES[name]
 
 
@@ -300,6 +305,10 @@ class LocalTrainer:
         # the rollout decodes only when the reward reads pixels (audio: decoded here, jointly)
         decode = "media" in inputs and "audio" not in inputs
         self.params = r.sampling_params(output="both" if decode else "latent")
+        try:  # a size the model cannot take fails here, not deep inside the first rollout
+            self.adapter.latent_shape(self.params)
+        except ValueError as exc:
+            raise RecipeError(f"rollout.{exc} for {type(self.adapter).__name__}") from None
         self.engine = EmbeddedEngine(self.adapter, max_num_seqs=r.rollout.max_num_seqs)
         self.data = PromptData.from_config(r.data, r.trainer.seed)
         # `reward.distill`: the latent reward model is fitted here, before it is loaded

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .recipe import Recipe, RecipeError
+from .recipe import Recipe, RecipeError, unknown_name
 
 
 def validate_recipe(recipe: Recipe) -> list[str]:
@@ -17,10 +17,7 @@ def validate_recipe(recipe: Recipe) -> list[str]:
 
     info = []
     if recipe.algorithm.name not in LOSSES:
-        raise RecipeError(
-            f"algorithm.name: unknown loss {recipe.algorithm.name!r}; known: "
-            f"{', '.join(sorted(LOSSES))}"
-        )
+        raise RecipeError(unknown_name("algorithm.name", "loss", recipe.algorithm.name, LOSSES))
     known = set(available_rewards())
     names = (
         [("reward.name", recipe.reward.name)]
@@ -29,7 +26,7 @@ def validate_recipe(recipe: Recipe) -> list[str]:
     )
     for key, name in names:
         if name not in known:
-            raise RecipeError(f"{key}: unknown reward {name!r}; known: {', '.join(sorted(known))}")
+            raise RecipeError(unknown_name(key, "reward", name, known))
     path = Path(recipe.model.path)
     has_model = (path / "model_index.json").is_file() or (path / "config.json").is_file()
     if recipe.model.tiny is not None:
@@ -37,8 +34,7 @@ def validate_recipe(recipe: Recipe) -> list[str]:
 
         if recipe.model.tiny not in FAMILY_MODULES:
             raise RecipeError(
-                f"model.tiny: unknown family {recipe.model.tiny!r}; known: "
-                f"{', '.join(sorted(FAMILY_MODULES))}"
+                unknown_name("model.tiny", "family", recipe.model.tiny, FAMILY_MODULES)
             )
         if not has_model:
             info.append(f"model: tiny {recipe.model.tiny} will be built at {path} on first run")

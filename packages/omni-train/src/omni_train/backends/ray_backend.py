@@ -743,7 +743,15 @@ class RayTrainer(LocalTrainer):
             )
         self.ema = False
         self.loss_fn = _loss_fn(r)
-        ensure_model(r)  # build the tiny model once, before the workers look for it
+        path = ensure_model(r)  # build the tiny model once, before the workers look for it
+        from omni_adapters import adapter_for, read_architecture
+
+        if getattr(adapter_for(read_architecture(path)), "needs_images", False):
+            raise TrainError(
+                f"model.path: {path} is image-conditioned (source image per request); "
+                "trainer.backend ray does not send images to its rollout workers yet, use "
+                "trainer.backend local"
+            )
         self.params = r.sampling_params()
         self.data = PromptData.from_config(r.data, r.trainer.seed)
         sizes = pool_sizes(r)
