@@ -160,6 +160,9 @@ def test_unknown_reward_and_missing_extra(train_dict, monkeypatch) -> None:
 
     with pytest.raises(TrainError, match=re.escape("reward.name: unknown reward 'nope'")):
         LocalTrainer(recipe_from_dict(train_dict(reward={"name": "nope"}))).setup()
+    bad_option = train_dict(reward={"name": "brightness", "options": {"foo": 1}})
+    with pytest.raises(TrainError, match=re.escape("reward.options: reward 'brightness' has no")):
+        LocalTrainer(recipe_from_dict(bad_option)).setup()
 
     def needs_extra(**options):
         raise omni_rewards.MissingDependencyError(

@@ -175,7 +175,15 @@ def build_reward(recipe: Recipe) -> Any:
             raise TrainError(f"{key}: {exc}") from None
         except KeyError as exc:
             raise TrainError(f"{key}: {exc.args[0] if exc.args else exc}") from None
-        except (TypeError, ValueError, FileNotFoundError) as exc:
+        except TypeError as exc:
+            bad = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+            if bad:
+                opts = key.removesuffix(".name") + ".options"
+                raise TrainError(
+                    f"{opts}: reward {name!r} has no option {bad.group(1)!r}"
+                ) from None
+            raise TrainError(f"{key} / options: {exc}") from None
+        except (ValueError, FileNotFoundError) as exc:
             raise TrainError(f"{key} / options: {exc}") from None
 
     r = recipe.reward
