@@ -525,7 +525,14 @@ class OmniTrainer:
             bar.close()
             all_rows = read_metrics(logger.path)
             if all_rows:
-                plot_reward_curve(all_rows, self.run_dir / "reward_curve.png", title=r.experiment)
+                plot_reward_curve(
+                    all_rows,
+                    self.run_dir / "reward_curve.png",
+                    title=r.experiment,
+                    val_label="val reward (greedy)"
+                    if r.rollout.val_temperature == 0
+                    else f"val reward (T={r.rollout.val_temperature:g})",
+                )
             logger.close()
         return rows
 

@@ -19,8 +19,14 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-def plot_reward_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """Reward mean per step (with a +-std band) and the validation reward when logged."""
+def plot_reward_curve(
+    rows: list[dict[str, Any]],
+    path: str | Path,
+    title: str = "",
+    val_label: str = "val reward (ODE)",
+) -> Path:
+    """Reward mean per step (with a +-std band) and the validation reward when logged
+    (`val_label`: how validation samples, ODE for diffusion, greedy for the omni path)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -41,7 +47,7 @@ def plot_reward_curve(rows: list[dict[str, Any]], path: str | Path, title: str =
             [r["val/reward_mean"] for r in val],
             marker="s",
             ms=4,
-            label="val reward (ODE)",
+            label=val_label,
         )
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
