@@ -246,6 +246,16 @@ def test_tiny_build_rejects_unknown_family(tmp_path):
         omni_adapters.tiny.build("sd9", tmp_path)
 
 
+def test_tiny_build_writes_its_stamp(tiny_path):
+    """Every build records (family, seed, builder revision) so stale caches can be found."""
+    tiny = omni_adapters.tiny
+    stamp = json.loads((tiny_path("sd3") / tiny.STAMP_FILE).read_text())
+    assert stamp == tiny.build_stamp("sd3", 0) == {"family": "sd3", "seed": 0, "revision": 1}
+    assert tiny.build_stamp("qwen3_omni_thinker")["revision"] == 2  # the std 0.2 weights
+    with pytest.raises(ValueError, match="unknown family 'sd9'"):
+        tiny.build_stamp("sd9")
+
+
 def test_save_peft_adapter_folder(toy, tmp_path):
     from safetensors.torch import load_file
 

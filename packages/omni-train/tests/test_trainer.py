@@ -155,6 +155,44 @@ def test_tiny_build_race_keeps_the_other_runs_model(tmp_path: Path, monkeypatch)
     assert [p.name for p in target.parent.iterdir()] == ["sd3"]  # no leftover build folder
 
 
+def test_stale_tiny_model_is_rebuilt(tmp_path: Path, monkeypatch) -> None:
+    """A cached tiny model whose stamp names another seed or builder revision is rebuilt; a
+    current one, or a folder without a stamp, is used as is."""
+    from types import SimpleNamespace
+
+    from omni_adapters import tiny
+    from omni_train.trainer import ensure_model
+
+    built: list[int] = []
+
+    def fake_build(family: str, path: Path, seed: int = 0) -> Path:
+        Path(path).mkdir(parents=True)
+        (Path(path) / "config.json").write_text(json.dumps({"seed": seed}))
+        (Path(path) / tiny.STAMP_FILE).write_text(json.dumps(tiny.build_stamp(family, seed)))
+        built.append(seed)
+        return Path(path)
+
+    monkeypatch.setattr(tiny, "build", fake_build)
+    target = tmp_path / "models" / "sd3"
+
+    def recipe(seed: int) -> SimpleNamespace:
+        return SimpleNamespace(model=SimpleNamespace(path=str(target), tiny="sd3", tiny_seed=seed))
+
+    ensure_model(recipe(0))
+    ensure_model(recipe(0))  # current: kept
+    assert built == [0]
+    ensure_model(recipe(3))  # another seed: rebuilt
+    assert built == [0, 3] and json.loads((target / "config.json").read_text()) == {"seed": 3}
+    stamp = json.loads((target / tiny.STAMP_FILE).read_text())
+    (target / tiny.STAMP_FILE).write_text(json.dumps({**stamp, "revision": 0}))
+    ensure_model(recipe(3))  # an older builder revision: rebuilt
+    assert built == [0, 3, 3]
+    (target / tiny.STAMP_FILE).unlink()
+    ensure_model(recipe(5))  # no stamp: not known to be a tiny build, used as is
+    assert built == [0, 3, 3]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["sd3"]
+
+
 def test_unknown_reward_and_missing_extra(train_dict, monkeypatch) -> None:
     import omni_rewards
 

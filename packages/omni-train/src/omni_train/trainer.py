@@ -64,10 +64,30 @@ TIMING_PREFIXES = ("timing/", "perf/")
 
 
 def ensure_model(recipe: Recipe) -> Path:
-    """The model folder; builds the tiny model there first when `model.tiny` is set."""
+    """The model folder; builds the tiny model there first when `model.tiny` is set.
+
+    A tiny model cached by an older build (its `tiny_build.json` names another family, seed
+    or builder revision) is rebuilt in place; a folder without that stamp is used as is."""
     m = recipe.model
     path = Path(m.path)
     has_config = (path / "model_index.json").is_file() or (path / "config.json").is_file()
+    if has_config and m.tiny is not None:
+        from omni_adapters import tiny
+
+        stamp_file = path / tiny.STAMP_FILE
+        try:
+            wanted = tiny.build_stamp(m.tiny, m.tiny_seed)
+        except ValueError as exc:
+            raise TrainError(f"model.tiny: {exc}") from None
+        if stamp_file.is_file() and json.loads(stamp_file.read_text()) != wanted:
+            stale = path.with_name(f".{path.name}.stale-{os.getpid()}")
+            try:
+                path.rename(stale)  # another run may have swapped it first: then keep theirs
+            except OSError:
+                pass
+            else:
+                shutil.rmtree(stale, ignore_errors=True)
+            has_config = (path / "config.json").is_file() or (path / "model_index.json").is_file()
     if has_config:
         return path
     if m.tiny is None:

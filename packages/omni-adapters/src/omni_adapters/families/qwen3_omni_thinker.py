@@ -736,7 +736,7 @@ def tiny_config(token_ids: dict[str, int]) -> Any:
     )
 
 
-@register_tiny(FAMILY)
+@register_tiny(FAMILY, revision=2)  # 2: weights drawn with std 0.2
 def build_tiny(path: str | Path, seed: int = 0) -> Path:
     """Write a tiny random ``Qwen3OmniMoeForConditionalGeneration`` (thinker + talker +
     code2wav, ~90k parameters) with its processor (byte-level tokenizer, Qwen2-VL image
