@@ -63,6 +63,11 @@ TIMING_PREFIXES = ("timing/", "perf/")
 # building the pieces
 
 
+def _is_saved_model(path: Path) -> bool:
+    """A diffusers pipeline folder or a transformers model folder."""
+    return (path / "model_index.json").is_file() or (path / "config.json").is_file()
+
+
 def ensure_model(recipe: Recipe) -> Path:
     """The model folder; builds the tiny model there first when `model.tiny` is set.
 
@@ -70,7 +75,7 @@ def ensure_model(recipe: Recipe) -> Path:
     or builder revision) is rebuilt in place; a folder without that stamp is used as is."""
     m = recipe.model
     path = Path(m.path)
-    has_config = (path / "model_index.json").is_file() or (path / "config.json").is_file()
+    has_config = _is_saved_model(path)
     if has_config and m.tiny is not None:
         from omni_adapters import tiny
 
@@ -87,7 +92,7 @@ def ensure_model(recipe: Recipe) -> Path:
                 pass
             else:
                 shutil.rmtree(stale, ignore_errors=True)
-            has_config = (path / "config.json").is_file() or (path / "model_index.json").is_file()
+            has_config = _is_saved_model(path)
     if has_config:
         return path
     if m.tiny is None:
@@ -118,7 +123,7 @@ def ensure_model(recipe: Recipe) -> Path:
         tmp.rename(path)
     except OSError:  # another run built it meanwhile: keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (path / "config.json").is_file() and not (path / "model_index.json").is_file():
+        if not _is_saved_model(path):
             raise TrainError(f"model.path: could not move the tiny model into {path}") from None
     return path
 
