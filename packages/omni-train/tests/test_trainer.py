@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -132,10 +133,15 @@ def test_missing_model_path_is_clear(train_dict, tmp_path: Path) -> None:
         LocalTrainer(recipe_from_dict(d)).setup()
 
 
-def test_tiny_build_race_keeps_the_other_runs_model(tmp_path: Path, monkeypatch) -> None:
-    """Two runs building the same tiny model at once: the loser keeps the winner's folder."""
+def _tiny_recipe(path: Path, seed: int = 0) -> Any:
+    """Just the `model` section `ensure_model` reads."""
     from types import SimpleNamespace
 
+    return SimpleNamespace(model=SimpleNamespace(path=str(path), tiny="sd3", tiny_seed=seed))
+
+
+def test_tiny_build_race_keeps_the_other_runs_model(tmp_path: Path, monkeypatch) -> None:
+    """Two runs building the same tiny model at once: the loser keeps the winner's folder."""
     from omni_adapters import tiny
     from omni_train.trainer import ensure_model
 
@@ -149,8 +155,7 @@ def test_tiny_build_race_keeps_the_other_runs_model(tmp_path: Path, monkeypatch)
         return Path(path)
 
     monkeypatch.setattr(tiny, "build", build_while_another_finishes)
-    recipe = SimpleNamespace(model=SimpleNamespace(path=str(target), tiny="sd3", tiny_seed=0))
-    assert ensure_model(recipe) == target
+    assert ensure_model(_tiny_recipe(target)) == target
     assert json.loads((target / "config.json").read_text()) == {"theirs": True}
     assert [p.name for p in target.parent.iterdir()] == ["sd3"]  # no leftover build folder
 
@@ -158,8 +163,6 @@ def test_tiny_build_race_keeps_the_other_runs_model(tmp_path: Path, monkeypatch)
 def test_stale_tiny_model_is_rebuilt(tmp_path: Path, monkeypatch) -> None:
     """A cached tiny model whose stamp names another seed or builder revision is rebuilt; a
     current one, or a folder without a stamp, is used as is."""
-    from types import SimpleNamespace
-
     from omni_adapters import tiny
     from omni_train.trainer import ensure_model
 
@@ -175,20 +178,17 @@ def test_stale_tiny_model_is_rebuilt(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(tiny, "build", fake_build)
     target = tmp_path / "models" / "sd3"
 
-    def recipe(seed: int) -> SimpleNamespace:
-        return SimpleNamespace(model=SimpleNamespace(path=str(target), tiny="sd3", tiny_seed=seed))
-
-    ensure_model(recipe(0))
-    ensure_model(recipe(0))  # current: kept
+    ensure_model(_tiny_recipe(target, 0))
+    ensure_model(_tiny_recipe(target, 0))  # current: kept
     assert built == [0]
-    ensure_model(recipe(3))  # another seed: rebuilt
+    ensure_model(_tiny_recipe(target, 3))  # another seed: rebuilt
     assert built == [0, 3] and json.loads((target / "config.json").read_text()) == {"seed": 3}
     stamp = json.loads((target / tiny.STAMP_FILE).read_text())
     (target / tiny.STAMP_FILE).write_text(json.dumps({**stamp, "revision": 0}))
-    ensure_model(recipe(3))  # an older builder revision: rebuilt
+    ensure_model(_tiny_recipe(target, 3))  # an older builder revision: rebuilt
     assert built == [0, 3, 3]
     (target / tiny.STAMP_FILE).unlink()
-    ensure_model(recipe(5))  # no stamp: not known to be a tiny build, used as is
+    ensure_model(_tiny_recipe(target, 5))  # no stamp: not known to be a tiny build, used as is
     assert built == [0, 3, 3]
     assert sorted(p.name for p in target.parent.iterdir()) == ["sd3"]
 

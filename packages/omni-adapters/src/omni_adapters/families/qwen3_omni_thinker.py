@@ -622,7 +622,7 @@ def tiny_config(token_ids: dict[str, int]) -> Any:
 
     # Weights drawn with std 0.2, not transformers' 0.02: in a 32-wide random model at 0.02 the
     # output head caps the gap between two logits below ~1 and an image moves the answer logits
-    # by ~1e-4, so not even supervised training teaches the tiny model to read an image; at 0.2
+    # by ~2e-4, so not even supervised training teaches the tiny model to read an image; at 0.2
     # it can (the CPU twin's shapes task rises above chance). Real checkpoints are unaffected.
     init = 0.2
     thinker = {
