@@ -28,7 +28,6 @@ def _inputs(name, g):
         "flow_grpo": ([lp], lambda: LOSSES[name](lp, old, adv)),
         "dance_grpo": ([lp], lambda: LOSSES[name](lp, old, adv)),
         "mix_grpo": ([lp], lambda: LOSSES[name](lp, old, adv)),
-        "kl_penalty": ([mean], lambda: LOSSES[name](mean, old_mean, std)),
         "flow_dppo": (
             [lp, mean],
             lambda: LOSSES[name](lp, old, adv, mean, old_mean, std=std, sqrt_dt=sdt),
@@ -68,9 +67,10 @@ def test_all_design_names_registered():
         "diffusion_dpo",
         "grpo",
         "gspo",
-        "kl_penalty",
     }
     assert want <= set(LOSSES)
+    # the KL terms are added to a loss, they are no algorithm of their own
+    assert "kl_penalty" not in LOSSES and "k3_kl" not in LOSSES
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))

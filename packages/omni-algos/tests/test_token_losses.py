@@ -170,3 +170,15 @@ def test_property_on_policy_loss_is_minus_mean_advantage(b, t, seed, agg):
         want = agg_loss(-adv[:, None].expand(b, t), mask, agg)
         assert torch.isfinite(out.loss)
         assert abs(out.loss.item() - want.item()) < 1e-9
+
+
+def test_k3_kl_zero_at_equal_and_positive_otherwise() -> None:
+    from omni_algos.losses import k3_kl
+
+    lp = torch.tensor([[-1.0, -2.0, -3.0]])
+    mask = torch.tensor([[True, True, False]])
+    assert float(k3_kl(lp, lp.clone(), mask)) == pytest.approx(0.0, abs=1e-7)
+    ref = lp + torch.tensor([[0.5, -0.5, 100.0]])  # the masked token must not count
+    d = torch.tensor([0.5, -0.5])
+    expect = float((torch.exp(d) - d - 1).mean())
+    assert float(k3_kl(lp, ref, mask)) == pytest.approx(expect, rel=1e-6)

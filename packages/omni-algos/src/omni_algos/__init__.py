@@ -5,7 +5,7 @@ SDE steps with log-probs (:mod:`omni_algos.sde`), group advantages
 (:mod:`omni_algos.correction`). Pure torch.
 """
 
-from . import advantages, correction, losses, sde
+from . import advantages, correction, losses, ode, sde
 from .advantages import (
     ADVANTAGES,
     dr_grpo_advantages,
@@ -26,12 +26,14 @@ from .losses import (
     grpo,
     grpo_guard,
     gspo,
+    k3_kl,
     kl_penalty,
     mix_grpo,
     nft_reward_prob,
     pair_by_reward,
     register,
 )
+from .ode import dpm_solver_2m_step
 from .sde import SDE_KINDS, SDEStep, mix_grpo_window, sample_windows, step
 
 __version__ = "0.1.0"
@@ -49,6 +51,7 @@ __all__ = [
     "dance_grpo",
     "diffusion_dpo",
     "diffusion_nft",
+    "dpm_solver_2m_step",
     "dr_grpo_advantages",
     "flow_dppo",
     "flow_grpo",
@@ -57,11 +60,13 @@ __all__ = [
     "grpo",
     "grpo_guard",
     "gspo",
+    "k3_kl",
     "kl_penalty",
     "losses",
     "mix_grpo",
     "mix_grpo_window",
     "nft_reward_prob",
+    "ode",
     "pair_by_reward",
     "register",
     "rloo_advantages",

@@ -7,7 +7,7 @@ from ._registry import LOSSES, LossOutput, register
 from .dpo import diffusion_dpo, pair_by_reward
 from .flow import dance_grpo, flow_dppo, flow_grpo, grpo_guard, kl_penalty, mix_grpo
 from .nft import NFT_ADV_MODES, diffusion_nft, nft_reward_prob
-from .token import AGG_MODES, agg_loss, grpo, gspo
+from .token import AGG_MODES, agg_loss, grpo, gspo, k3_kl
 
 __all__ = [
     "AGG_MODES",
@@ -23,6 +23,7 @@ __all__ = [
     "grpo",
     "grpo_guard",
     "gspo",
+    "k3_kl",
     "kl_penalty",
     "mix_grpo",
     "nft_reward_prob",

@@ -112,7 +112,6 @@ def mix_grpo(
     )
 
 
-@register("kl_penalty")
 def kl_penalty(
     mean: Tensor,
     ref_mean: Tensor,
@@ -120,7 +119,8 @@ def kl_penalty(
     *,
     weights: Tensor | None = None,
 ) -> LossOutput:
-    r"""KL between two Gaussian steps with the same std (Flow-GRPO's KL regulariser):
+    r"""KL between two Gaussian steps with the same std (Flow-GRPO's KL regulariser). A term
+    added to a policy loss, not an algorithm, so it is not in ``LOSSES``:
 
     ``KL_b = mean_dims (mean - ref_mean)^2 / (2 std_b^2)``, ``loss = mean_b(w_b KL_b)``.
 

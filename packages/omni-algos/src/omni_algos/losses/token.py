@@ -12,7 +12,7 @@ from torch import Tensor
 from ._common import as_float, check_same_shape, compute_dtype, expand_rows
 from ._registry import LossOutput, register
 
-__all__ = ["AGG_MODES", "agg_loss", "grpo", "gspo"]
+__all__ = ["AGG_MODES", "agg_loss", "grpo", "gspo", "k3_kl"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -161,3 +161,13 @@ def gspo(
         else 1.0,
     }
     return LossOutput(loss, metrics)
+
+
+def k3_kl(log_prob: Tensor, ref_log_prob: Tensor, mask: Tensor) -> Tensor:
+    """Masked token mean of the k3 KL estimator ``exp(d) - d - 1``, ``d = lp_ref - lp``
+    (Schulman 2020, "Approximating KL divergence"): unbiased for KL(pi || pi_ref) under
+    samples of pi and never negative. ``ref_log_prob`` is a constant; ``d`` is clamped to
+    [-20, 20] so a far-off token cannot overflow."""
+    d = (ref_log_prob.detach() - log_prob).clamp(-20.0, 20.0)
+    m = mask.to(log_prob.dtype)
+    return ((torch.exp(d) - d - 1.0) * m).sum() / m.sum().clamp(min=1.0)
