@@ -302,3 +302,45 @@ def test_any_subset_and_order_matches_alone(toy_cls, max_diff, perm, k):
             (alone,) = engine.generate_many([req])
             assert got.request_id == req.request_id and got.window == alone.window
             assert max_diff(alone, got) <= 1e-5
+
+
+def test_ode_stride_after_window_skips_forwards_not_the_window(toy):
+    """MixGRPO's fast tail: the windows' latents and log-probs are unchanged, the tail takes
+    one forward per `stride` schedule steps, and the final latent stays close to Euler's."""
+    from omni_algos.ode import dpm_solver_2m_step
+
+    base = SamplingParams(
+        height=16,
+        width=16,
+        num_steps=10,
+        sde_window_size=2,
+        sde_window_range=(2, 4),
+        noise_level=0.7,
+        output="latent",
+    )
+    fast = base.replace(ode_stride_after_window=3)
+    assert base.compat_key() != fast.compat_key()  # never in one wave together
+    reqs = [RolloutRequest("a red square", s, base) for s in range(3)]
+    with EmbeddedEngine(toy) as engine:
+        slow = run(engine, reqs)
+        toy.forward_rows.clear()
+        quick = run(engine, [RolloutRequest(r.prompt, r.seed, fast) for r in reqs])
+    # windows end at step 4 at the latest; the tail 4..10 takes ceil(6 / 3) = 2 forwards
+    assert len(toy.forward_rows) == 4 + 2
+    for a, b in zip(slow, quick):
+        assert a.window == b.window
+        assert torch.equal(a.latents, b.latents) and torch.equal(a.log_probs, b.log_probs)
+        assert (a.final_latent - b.final_latent).abs().max() < 0.2 * a.final_latent.abs().max()
+    # the tail is exactly DPM-Solver++(2M) from the last window latent
+    t = quick[0]
+    sig = toy.sigmas(fast)
+    x, x0, s_prev = t.latents[-1][None], None, None
+    with torch.no_grad():
+        cond = toy.encode([t.prompt])
+        for i, j in ((4, 7), (7, 10)):
+            v = toy.velocity(x, sig[i].expand(1), cond, fast)
+            x, x0_new = dpm_solver_2m_step(
+                x, v, float(sig[i]), float(sig[j]), x0_prev=x0, sigma_prev=s_prev
+            )
+            x0, s_prev = x0_new, float(sig[i])
+    torch.testing.assert_close(x[0], t.final_latent, atol=1e-5, rtol=0)

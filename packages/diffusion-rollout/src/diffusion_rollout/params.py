@@ -53,6 +53,10 @@ class SamplingParams:
         sde_window_size: number of SDE steps per sample; None = every step but the last.
         sde_window_range: ``(low, high)`` range the window start is drawn in; None =
             ``(0, num_steps)``.
+        ode_stride_after_window: after the last SDE window step of the wave, each ODE step
+            jumps this many schedule steps with DPM-Solver++(2M)
+            (`omni_algos.ode.dpm_solver_2m_step`): fewer forwards for the untrained tail, as
+            MixGRPO-Flash does (Li et al. 2025, arXiv 2507.21802). 1 = Euler on every step.
         output: "latent" (final latent, no decode), "pixel" (uint8 media, no final latent)
             or "both".
         weights_version: the weights (LoRA) version this request must run on; None = whatever
@@ -69,11 +73,12 @@ class SamplingParams:
     sde_kind: str = "sde"
     sde_window_size: int | None = None
     sde_window_range: tuple[int, int] | None = None
+    ode_stride_after_window: int = 1
     output: str = "both"
     weights_version: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("height", "width", "num_frames", "num_steps"):
+        for name in ("height", "width", "num_frames", "num_steps", "ode_stride_after_window"):
             _positive_int(name, getattr(self, name))
         for name in ("guidance_scale", "true_cfg_scale"):
             object.__setattr__(self, name, _finite_float(name, getattr(self, name)))
@@ -126,9 +131,10 @@ class SamplingParams:
     def compat_key(self) -> tuple:
         """The fields two requests must share to be packed into one forward.
 
-        Latent shape (height, width, num_frames), schedule (num_steps), guidance
-        (guidance_scale, true_cfg_scale), output and weights_version. SDE kind, noise level and
-        window size/range are applied per row after the forward, so they are not in the key.
+        Latent shape (height, width, num_frames), schedule (num_steps,
+        ode_stride_after_window), guidance (guidance_scale, true_cfg_scale), output and
+        weights_version (always last). SDE kind, noise level and window size/range are applied
+        per row after the forward, so they are not in the key.
         """
         return (
             self.height,
@@ -137,6 +143,7 @@ class SamplingParams:
             self.num_steps,
             self.guidance_scale,
             self.true_cfg_scale,
+            self.ode_stride_after_window,
             self.output,
             self.weights_version,
         )

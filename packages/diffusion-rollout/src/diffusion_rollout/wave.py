@@ -7,7 +7,9 @@ in the order of docs/interfaces.md:
 2. the initial latents (``denoiser.init_latents(..., generators=[g, ...])``, one row per g),
 3. the SDE noise of each window step, in step order (``omni_algos.sde.step`` with one
    generator per row). Steps outside a row's window are ODE steps
-   ``x_next = x + (sigma_next - sigma) v`` and draw nothing.
+   ``x_next = x + (sigma_next - sigma) v`` and draw nothing. With
+   ``params.ode_stride_after_window = k > 1`` the steps after the last window of the wave
+   jump k schedule steps per forward with DPM-Solver++(2M) (`omni_algos.ode`).
 
 Rows of one wave may have different SDE kinds, noise levels and windows: after each shared
 forward the rows in their window are grouped by (kind, noise level) for the step. Used by
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from omni_algos import sde
+from omni_algos import ode, sde
 
 from .params import RolloutRequest
 from .types import Denoiser, Trajectory
@@ -194,10 +196,27 @@ def denoise_wave(
     lps: list[Tensor | None] = [None] * num_steps  # (batch,) log-probs of each step
     forwards = 0
     step_s = 0.0
-    for i in range(num_steps):
+    stride = params.ode_stride_after_window
+    x0_prev: Tensor | None = None  # DPM-Solver++(2M) history of the tail
+    sig_prev: float | None = None
+    i = 0
+    while i < num_steps:
         ts = time.monotonic()
         if first <= i <= last:
             xs[i] = x
+        if stride > 1 and i >= last:
+            # the untrained tail after every row's window: `stride` schedule steps per forward
+            j = min(i + stride, num_steps)
+            v = den.velocity(x, sig_all[i].expand(batch).contiguous(), cond, params)
+            forwards += 1
+            s_i = float(sig_all[i])
+            x, x0_prev = ode.dpm_solver_2m_step(
+                x, v.to(torch.float32), s_i, float(sig_all[j]), x0_prev=x0_prev, sigma_prev=sig_prev
+            )
+            sig_prev = s_i
+            step_s += time.monotonic() - ts
+            i = j
+            continue
         sig, sig_n = sig_all[i], sig_all[i + 1]
         v = den.velocity(x, sig.expand(batch).contiguous(), cond, params).to(torch.float32)
         forwards += 1
@@ -224,6 +243,7 @@ def denoise_wave(
                 ]
             )
         step_s += time.monotonic() - ts
+        i += 1
     xs[num_steps] = x
     t2 = time.monotonic()
 
