@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # omni_train_testutils
+# read by Ray when first imported: no repo zip or uv rebuild for the local test workers
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 import yaml
 
 PROMPTS = ["a red square", "a blue circle", "a green field", "a yellow sun"]
@@ -82,3 +88,20 @@ def _home(tmp_path_factory, monkeypatch):
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("MPLBACKEND", "Agg")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray cluster for the whole test run (its start-up is slow)."""
+    ray = pytest.importorskip("ray")
+    from omni_train.backends.ray import start_ray
+
+    if not ray.is_initialized():
+        start_ray(num_cpus=2)
+    # Ray writes the cluster's auth token under the HOME it started with; the tests' HOME
+    # changes per test, so point later drivers (a CLI run with RAY_ADDRESS) at the file
+    token = Path(os.environ["HOME"]) / ".ray" / "auth_token"
+    if token.is_file():
+        os.environ.setdefault("RAY_AUTH_TOKEN_PATH", str(token))
+    yield ray
+    ray.shutdown()

@@ -56,7 +56,7 @@ def test_checkpoint_roundtrip_and_rng(tmp_path: Path) -> None:
         tmp_path / "ck",
         3,
         params,
-        opt,
+        opt.state_dict(),
         state={"version": 3},
         lora_tensors={"a.lora_A.weight": torch.ones(2, 2)},
         lora_config={"r": 2},
@@ -84,7 +84,7 @@ def test_latest_and_pruning(tmp_path: Path) -> None:
     m, opt = _model_and_opt()
     params = dict(m.named_parameters())
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path / "ck", step, params, opt, keep=2)
+        save_checkpoint(tmp_path / "ck", step, params, opt.state_dict(), keep=2)
     names = sorted(p.name for p in (tmp_path / "ck").glob("step_*"))
     assert names == ["step_0002", "step_0003"]
     assert (tmp_path / "ck" / "latest").read_text().strip() == "step_0003"
@@ -97,5 +97,5 @@ def test_latest_and_pruning(tmp_path: Path) -> None:
     (tmp_path / "ck" / "latest").write_text("step_0009\n")
     assert latest_checkpoint(tmp_path / "ck").name == "step_0003"
     # re-saving an existing step replaces it
-    save_checkpoint(tmp_path / "ck", 3, params, opt, state={"again": True})
+    save_checkpoint(tmp_path / "ck", 3, params, opt.state_dict(), state={"again": True})
     assert load_checkpoint(tmp_path / "ck").state["again"] is True

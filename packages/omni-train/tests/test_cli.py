@@ -33,11 +33,11 @@ def test_bad_key_one_clear_message(recipe_file: Path, capsys) -> None:
 
 def test_unknown_loss_and_reward(recipe_file: Path, capsys) -> None:
     assert main(["validate", str(recipe_file), "algorithm.name=nope"]) == 2
-    assert "algorithm.name: unknown loss 'nope'" in capsys.readouterr().err
+    assert "algorithm.name: unknown algorithm 'nope'" in capsys.readouterr().err
     assert main(["validate", str(recipe_file), "reward.name=nope"]) == 2
     assert "reward.name: unknown reward 'nope'" in capsys.readouterr().err
     assert main(["validate", str(recipe_file), "algorithm.name=flowgrpo"]) == 2
-    assert "unknown loss 'flowgrpo' (did you mean 'flow_grpo'?)" in capsys.readouterr().err
+    assert "unknown algorithm 'flowgrpo' (did you mean 'flow_grpo'?)" in capsys.readouterr().err
     assert main(["validate", str(recipe_file), "reward.name=pickscorr"]) == 2
     assert "unknown reward 'pickscorr' (did you mean 'pickscore'?)" in capsys.readouterr().err
 
@@ -82,8 +82,8 @@ def test_console_script_help() -> None:
 
 
 def test_report_writes_html(train_dict, capsys) -> None:
+    from omni_train import train
     from omni_train.recipe import recipe_from_dict
-    from omni_train.trainer import train
 
     recipe = recipe_from_dict(train_dict())
     train(recipe)

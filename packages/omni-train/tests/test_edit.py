@@ -80,47 +80,37 @@ def test_tiny_edit_rollout_batched_equals_alone(tiny_edit) -> None:
     assert not torch.equal(alone[0].final_latent, alone[3].final_latent)  # image matters
 
 
-def test_trainer_passes_each_rows_image(tmp_path: Path, tiny_edit) -> None:
-    from omni_train.trainer import LocalTrainer
+def test_loop_passes_each_rows_image(tmp_path: Path, tiny_edit) -> None:
+    from omni_train_testutils import local_loop
 
     paths = prepare("edit", tmp_path / "edit", size=32, count=6)
     r = recipe_from_dict(edit_recipe(tmp_path, tiny_edit, {"file": str(paths["train"])}))
-    t = LocalTrainer(r, tmp_path / "run")
-    t.setup()
+    loop = local_loop(r, tmp_path / "run")
     seen = []
-    original = t.engine.generate_many
-    t.engine.generate_many = lambda reqs: seen.append(list(reqs)) or original(reqs)
-    batch = t.rollout(0)
-    rows = t.data.rows_for_step(0)
+    engine = loop.ports.rollout
+    original = engine.generate_many
+    engine.generate_many = lambda reqs: seen.append(list(reqs)) or original(reqs)
+    trajs = engine.generate_many(loop.requests_for(0))
+    rows = loop.data.rows_for_step(0)
     reqs = seen[-1]
-    assert [q.prompt for q in reqs] == batch.prompts
+    assert [q.prompt for q in reqs] == [t.prompt for t in trajs]
     for k, q in enumerate(reqs):
-        assert np.array_equal(np.asarray(q.image), t.data.image(rows[k // 2]))
-    lat = [tr.condition["image_latents"] for tr in batch.trajectories]
+        assert np.array_equal(np.asarray(q.image), loop.data.image(rows[k // 2]))
+    lat = [tr.condition["image_latents"] for tr in trajs]
     assert torch.equal(lat[0], lat[1]) and not torch.equal(lat[0], lat[2])
-    t.validate(0)
+    loop.run_dir.mkdir(parents=True, exist_ok=True)
+    loop.validate(0)
     val, k = seen[-1], r.trainer.val_samples_per_prompt
     assert len(val) == 2 * k
     for i, q in enumerate(val):  # validation prompt i // k is data row i // k, with its image
-        assert q.prompt == t.data.prompts[i // k]
-        assert np.array_equal(np.asarray(q.image), t.data.image(i // k))
+        assert q.prompt == loop.data.prompts[i // k]
+        assert np.array_equal(np.asarray(q.image), loop.data.image(i // k))
+    loop.ports.close()
 
 
 def test_edit_model_without_images_names_data_file(tmp_path: Path, tiny_edit) -> None:
-    from omni_train.trainer import LocalTrainer
+    from omni_train import train
 
     r = recipe_from_dict(edit_recipe(tmp_path, tiny_edit, {"prompts": ["make it red", "b"]}))
-    t = LocalTrainer(r, tmp_path / "run")
-    t.setup()
-    with pytest.raises(TrainError, match=r"data.file: the model \(QwenImageEditAdapter\) is"):
-        t.rollout(0)
-
-
-def test_edit_model_on_backend_ray_is_refused_clearly(tmp_path: Path, tiny_edit) -> None:
-    """The Ray rollout workers carry no images yet: say so before any worker starts."""
-    from omni_train.backends.ray_backend import RayTrainer
-
-    d = edit_recipe(tmp_path, tiny_edit, {"prompts": ["make it red", "b"]})
-    d["trainer"] = {**d.get("trainer", {}), "backend": "ray", "num_workers": 1}
-    with pytest.raises(TrainError, match=r"model.path: .* is image-conditioned.*backend local"):
-        RayTrainer(recipe_from_dict(d)).setup()
+    with pytest.raises(TrainError, match=r"data.file: the model is image-conditioned"):
+        train(r, tmp_path / "run")

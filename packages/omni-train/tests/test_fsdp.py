@@ -1,5 +1,5 @@
-"""FSDP2 helpers: the shard plan, and the sharded update equal to LocalTrainer.update
-(one gloo rank in this process; the 2-rank parity runs in test_ray_backend)."""
+"""The update plan (rows per rank and micro-batch, in lockstep) and the FSDP2 path of the one
+update step in this process (one gloo rank; the 2-rank parity runs in test_ray_backend)."""
 
 from __future__ import annotations
 
@@ -8,41 +8,55 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from omni_train_testutils import local_loop, rollout_and_score
 
 from omni_train.backends import fsdp
-from omni_train.backends.ray_backend import _batch_tensors, _split
+from omni_train.backends.local import LocalLearner
+from omni_train.models import load_policy
 from omni_train.recipe import recipe_from_dict
-from omni_train.trainer import LocalTrainer
+from omni_train.updates import (
+    UpdateContext,
+    UpdateSettings,
+    make_update_plans,
+    minibatch_orders,
+    run_update,
+    select_rows,
+    update_plans,
+)
 
 
-def test_shard_plan_covers_each_minibatch_once():
-    perms = [torch.randperm(12, generator=torch.Generator().manual_seed(e)) for e in range(2)]
-    plans = fsdp.make_shard_plan(perms, 2, 4)
-    for e in range(2):
-        for k in range(2):
+def test_plans_cover_each_minibatch_once_in_lockstep():
+    for n, k, world, cap in ((12, 2, 4, None), (12, 2, 3, 2), (7, 1, 5, 1), (3, 2, 2, 1)):
+        orders = minibatch_orders(n, k, 2, seed=0, step=3)
+        plans = make_update_plans(
+            n, num_minibatches=k, epochs=2, seed=0, step=3, world_size=world, rows_per_forward=cap
+        )
+        assert len(plans) == world
+        for s, step in enumerate(plans[0].steps):
             got = sorted(
                 p.rows[i]
                 for p in plans
-                for (ee, kk, pos) in p.steps
-                if (ee, kk) == (e, k)
-                for i in pos
+                for c, d in zip(p.steps[s].chunks, p.steps[s].dummy)
+                if not d
+                for i in c
             )
-            assert got == sorted(perms[e][k * 6 : (k + 1) * 6].tolist())
-    sizes = [len(pos) for (_, _, pos) in (p.steps[0] for p in fsdp.make_shard_plan(perms, 1, 5))]
-    assert sorted(sizes) == [2, 2, 2, 3, 3] and all(p.minibatch_size == 6 for p in plans)
-    assert [len(r) for r in _split(7, 3)] == [3, 2, 2] and len(_split(1, 3)) == 1
-
-
-def test_unequal_split_weighting_gives_the_full_batch_gradient():
-    # ranks back-propagate L_r * n_r * R / M and the reduce averages: equals grad of the mean
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(3, requires_grad=True)
-    x = torch.randn(7, 3, generator=g)
-    full = torch.autograd.grad((x @ w).pow(2).mean(), w)[0]
-    parts = x.tensor_split(3)  # 3, 2, 2 rows
-    R, M = len(parts), len(x)
-    grads = [torch.autograd.grad((p @ w).pow(2).mean() * len(p) * R / M, w)[0] for p in parts]
-    torch.testing.assert_close(sum(grads) / R, full)
+            assert got == sorted(orders[step.epoch][step.minibatch])
+            # every rank runs the same forwards: same micro-batch count and packing
+            assert len({len(p.steps[s].chunks) for p in plans}) == 1
+            assert len({p.steps[s].pack for p in plans}) == 1
+            for p in plans:
+                assert all(len(c) <= (cap or n) for c in p.steps[s].chunks)
+        assert len({len(p.prepass) for p in plans}) == 1
+        for p in plans:  # the prepass covers every row a rank holds
+            assert sorted({i for c in p.prepass for i in c}) == list(range(len(p.rows)))
+    # more ranks than rows in a minibatch: the short rank runs a dummy (weight 0) micro-batch
+    (_, b) = make_update_plans(3, num_minibatches=2, epochs=1, seed=0, step=0, world_size=2)
+    assert [s.dummy for s in b.steps] == [[True], [True]] and b.rows
+    # 2 window steps, micro-batches of 2 rows, rows_per_forward 4: both steps in one forward
+    (p,) = make_update_plans(
+        8, num_minibatches=4, epochs=1, seed=0, step=0, rows_per_forward=4, items=2
+    )
+    assert all(s.pack == 2 for s in p.steps)
 
 
 @pytest.fixture
@@ -55,9 +69,9 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def test_sharded_update_equals_local_update(tmp_path, one_rank):
+def test_fsdp_update_equals_local_update(tmp_path, one_rank, tiny_sd3):
     d = {
-        "model": {"path": str(tmp_path / "model"), "tiny": "sd3"},
+        "model": {"path": str(tiny_sd3), "tiny": "sd3"},
         "data": {"prompts": ["a red square", "a blue circle"], "prompts_per_step": 2},
         "rollout": {
             "n": 4,
@@ -67,45 +81,48 @@ def test_sharded_update_equals_local_update(tmp_path, one_rank):
             "sde_window_size": 2,
             "sde_window_range": [0, 2],
         },
-        "reward": {"name": "color_match"},
-        "algorithm": {"name": "flow_grpo", "clip_range": 0.2, "num_minibatches": 2},
-        "optimizer": {"lr": 1e-2},
-        "trainer": {"output_dir": str(tmp_path / "run"), "progress": False, "threads": 1},
+        "reward": {"name": "brightness"},
+        "algorithm": {
+            "name": "grpo_guard",
+            "clip_range": 0.2,
+            "num_minibatches": 2,
+            "kl_beta": 0.1,
+        },
+        "optimizer": {"lr": 1e-2, "eps": 1e-4},
+        "trainer": {
+            "output_dir": str(tmp_path / "run"),
+            "progress": False,
+            "threads": 1,
+            "sample_every": 0,
+        },
     }
     r = recipe_from_dict(d)
-    local = LocalTrainer(r, tmp_path / "a")
-    local.setup()
-    batch = local.rollout(0)
-    local.score(batch, 0)
+    loop = local_loop(r, tmp_path / "a")
+    trajs, rewards = rollout_and_score(loop)
+    batch, _ = loop.update_batch(trajs, rewards, 0)
+    want = loop.learner.update(batch, 0)
+    ref = loop.learner.rollout_weights()
+    loop.ports.close()
 
-    other = LocalTrainer(r, tmp_path / "b")
-    other.setup()
-    assert fsdp.shard_adapter(other.adapter) > 0
-    params = other.adapter.named_trainable_parameters()
-    opt = torch.optim.AdamW(list(params.values()), lr=1e-2, weight_decay=1e-4)
-
-    from omni_train.backends.ray_backend import RayTrainer
-
-    planner = RayTrainer(r, tmp_path / "c")
-    planner.actors = [None]  # one rank
-    adv, plans = planner.plan_update(batch, 0)
-    got = fsdp.sharded_update(
-        adapter=other.adapter,
-        optimizer=opt,
-        params=list(params.values()),
-        loss_fn=local.loss_fn,
-        recipe=r,
-        sampling_params=local.params,
-        data=_batch_tensors(batch.trajectories, plans[0].rows, adv),
-        plan=plans[0],
-        step=0,
+    other = load_policy(r)
+    assert fsdp.shard_adapter(other) > 0
+    mirror = LocalLearner(r, other)  # the optimizer over the sharded parameters
+    ctx = UpdateContext(
+        other,
+        mirror.optimizer,
+        list(mirror.params_named.values()),
+        mirror.ctx.algorithm,
+        UpdateSettings.from_recipe(r),
+        fsdp.DistCollective(),
     )
-    want = local.update(batch, 0)
-    for k in ("loss", "actor/grad_norm", "actor/ratio_mean", "rollout/logprob_diff_mean"):
+    (plan,) = update_plans(r, batch, 0, world_size=1)
+    got = run_update(ctx, select_rows(batch, plan.rows), plan)
+    for k in ("loss", "actor/grad_norm", "actor/ratio_mean", "actor/kl_ref"):
         assert got[k] == pytest.approx(want[k], abs=1e-6), k
-    mine = fsdp.gather_rollout_weights(other.adapter)
-    ref = local.adapter.export_rollout_weights()
+    mine = fsdp.gather_rollout_weights(other)
     for k in ref:
         torch.testing.assert_close(mine[k], ref[k], atol=1e-6, rtol=0)
-    full = fsdp.gather_state_dict(other.adapter)
-    assert len(full) > len(ref) and all("lora" not in k for k in list(full)[:1])
+    # the gathered optimizer state loads back into the shards
+    state = fsdp.gather_optimizer_state(mirror.optimizer)
+    assert all(not hasattr(v, "placements") for st in state["state"].values() for v in st.values())
+    fsdp.load_optimizer_state(mirror.optimizer, state)

@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from omni_train import resume, train
 from omni_train.plots import read_metrics
 from omni_train.recipe import load_recipe
-from omni_train.trainer import TIMING_PREFIXES, resume, train
+
+TIMING_PREFIXES = ("timing/", "perf/")
 
 REPO = Path(__file__).resolve().parents[3]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
@@ -76,6 +78,48 @@ def test_forward_process_losses_learn(
     assert last - first > 5 * noise
     key = "actor/p_mean" if loss == "diffusion_nft" else "actor/pairs"
     assert all(key in row for row in rows)
+
+
+@pytest.mark.slow
+def test_mix_grpo_trains_a_sliding_window_and_learns(tmp_path: Path, tiny_sd3: Path) -> None:
+    """MixGRPO on the quickstart: one trained SDE step per trajectory (the quickstart's FlowGRPO
+    trains two), the window moving as `omni_algos.sde.mix_grpo_window` schedules it, and the
+    reward still rises."""
+    from omni_algos.sde import mix_grpo_window
+
+    steps = 15
+    recipe = load_recipe(
+        QUICKSTART,
+        [
+            f"model.path={tiny_sd3}",
+            f"trainer.output_dir={tmp_path / 'mix'}",
+            "algorithm.name=mix_grpo",
+            "algorithm.mix_window={shift_interval: 3, stride: 1, ode_stride: 2}",
+            "rollout.sde_window_size=1",
+            "rollout.sde_window_range=[0, 4]",
+            f"trainer.steps={steps}",
+            "trainer.progress=false",
+            "trainer.val_every=0",
+            "trainer.save_every=0",
+            "trainer.sample_every=0",
+        ],
+    )
+    flow = load_recipe(QUICKSTART)
+    assert recipe.rollout.sde_window_size < flow.rollout.sde_window_size
+    rows = train(recipe)
+    want = [
+        mix_grpo_window(s, 8, 1, shift_interval=3, stride=1, low=0, high=4)[0] for s in range(steps)
+    ]
+    assert [row["rollout/window_start"] for row in rows] == want
+    assert want[0] == 0 and want[-1] == 3  # it slid from the noisiest steps to later ones
+    assert all(row["rollout/window_size"] == 1 for row in rows)
+    # the tail after the window: (8 - (start + 1)) schedule steps in forwards of two
+    forwards = [row["rollout/forwards"] for row in rows]
+    assert forwards == [(s + 1) + -(-(8 - s - 1) // 2) for s in want]
+    r = np.array([row["reward/mean"] for row in rows])
+    first, last = r[:5].mean(), r[-5:].mean()
+    noise = max(row["reward/std"] for row in rows[:5]) / np.sqrt(32)
+    assert last > first + 0.01 and last - first > 5 * noise, (first, last, r.round(4).tolist())
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
-"""trainer.backend: ray on CPU: 2 FSDP2 actor workers on gloo, 2 rollout workers, 1 reward.
+"""trainer.backend: ray on CPU: 2 FSDP2 actor ranks on gloo, 2 rollout workers, 1 reward.
 
-One Ray session and one RayTrainer per module (Ray and worker start-up dominate the time);
-the fixture runs step 0 on both backends first so the parity check sees fresh weights.
+The update on the Ray ranks is the local update (`omni_train.updates.run_update`) with an
+all-reducing collective, so for every algorithm one update on the same batch gives the same
+new weights on both backends. Worker start-up dominates the time: one actor pool per model
+serves every algorithm (`RayLearner.configure`).
 """
 
 from __future__ import annotations
@@ -14,32 +16,48 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from diffusion_rollout.wire import tensors_from_bytes  # noqa: E402
 from omni_adapters import weights_checksum  # noqa: E402
-from omni_train.backends.fsdp import make_shard_plan  # noqa: E402
-from omni_train.backends.ray_backend import RayTrainer, pool_sizes  # noqa: E402
+from omni_train.algorithms import ALGORITHMS  # noqa: E402
+from omni_train.backends.local import LocalLearner  # noqa: E402
+from omni_train.backends.ray import (  # noqa: E402
+    RayDiffusionRollout,
+    RayLearner,
+    RayReward,
+    pool_sizes,
+)
 from omni_train.errors import TrainError  # noqa: E402
-from omni_train.logger import MetricsLogger  # noqa: E402
+from omni_train.loops import DiffusionLoop  # noqa: E402
+from omni_train.models import load_policy  # noqa: E402
+from omni_train.ports import Ports  # noqa: E402
 from omni_train.recipe import RecipeError, recipe_from_dict  # noqa: E402
-from omni_train.trainer import LocalTrainer  # noqa: E402
+from omni_train.rewards import build_reward  # noqa: E402
 
 
-def tiny_recipe(tmp, **trainer) -> dict:
-    return {
+def tiny_recipe(tmp, model, **sections) -> dict:
+    d = {
         "experiment": "ray",
-        "model": {"path": str(tmp / "model"), "tiny": "sd3"},
-        "data": {"prompts": ["a red square", "a blue circle"], "prompts_per_step": 2},
+        "model": {"path": str(model), "tiny": "sd3"},
+        "data": {
+            "prompts": ["a red square", "a blue circle", "a green ring"],
+            "prompts_per_step": 3,
+        },
         "rollout": {
             "n": 4,
             "height": 32,
             "width": 32,
             "num_steps": 4,
             "sde_window_size": 2,
-            "sde_window_range": [0, 2],
+            "sde_window_range": [0, 3],
             "noise_level": 0.8,
         },
-        "reward": {"name": "color_match"},
-        "algorithm": {"name": "flow_grpo", "clip_range": 0.2},
+        "reward": {"name": "brightness"},
+        # 12 rows, 2 minibatches of 6: 3 rows per rank, micro-batches of 2 + 1
+        "algorithm": {
+            "name": "flow_grpo",
+            "clip_range": 0.2,
+            "num_minibatches": 2,
+            "rows_per_forward": 2,
+        },
         # Adam's first step is lr * g / (|g| + eps): with the default eps 1e-8, a gradient entry
         # near 1e-9 turns reduction-order rounding (2 FSDP ranks vs 1 process) into a 1e-4 weight
         # difference. eps 1e-4 bounds that amplification at lr / eps = 100x a gradient difference.
@@ -50,82 +68,215 @@ def tiny_recipe(tmp, **trainer) -> dict:
             "progress": False,
             "threads": 1,
             "sample_every": 0,
-            **trainer,
+            "num_workers": 2,
+        },
+    }
+    for k, v in sections.items():
+        d.setdefault(k, {}).update(v)
+    return d
+
+
+#: per algorithm: the recipe changes that exercise its inputs (KL terms included)
+ALGO_SECTIONS = {
+    "flow_grpo": {"algorithm": {"kl_beta": 0.1}},
+    "dance_grpo": {"algorithm": {"kl_beta": 0.1}, "rollout": {"sde_kind": "dance"}},
+    "mix_grpo": {"algorithm": {"kl_beta": 0.1, "mix_window": {"ode_stride": 2}}},
+    "flow_dppo": {"algorithm": {"kl_beta": 0.1}},
+    "grpo_guard": {"algorithm": {"kl_beta": 0.1}},
+    "diffusion_nft": {"algorithm": {"options": {"kl_weight": 0.1}, "train_timesteps": 2}},
+    "diffusion_dpo": {"algorithm": {"train_timesteps": 2}},
+    "gspo": {"algorithm": {"kl_beta": 0.1}},
+    "grpo": {"algorithm": {"kl_beta": 0.1}},
+}
+
+
+def _recipe_for(name: str, base: dict) -> dict:
+    d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for section, changes in ALGO_SECTIONS[name].items():
+        d[section] = {**d.get(section, {}), **changes}
+    d["algorithm"]["name"] = name
+    return d
+
+
+@pytest.fixture(scope="module")
+def sd3_pool(ray_session, tmp_path_factory, tiny_sd3):
+    """A local engine + reward to make batches, and one 2-rank actor pool for sd3."""
+    tmp = tmp_path_factory.mktemp("ray")
+    base = tiny_recipe(tmp, tiny_sd3, trainer={"backend": "ray"})
+    recipe = recipe_from_dict(base)
+    learner = RayLearner(recipe, pool_sizes(recipe)["actor"])
+    yield {"tmp": tmp, "base": base, "ray": learner}
+    learner.close()
+
+
+@pytest.mark.parametrize("name", [n for n, a in ALGORITHMS.items() if a.model == "diffusion"])
+def test_update_parity_local_vs_two_fsdp_ranks(name, sd3_pool):
+    """One update on the same batch: the same LoRA weights and loss on both backends."""
+    from diffusion_rollout import EmbeddedEngine
+
+    d = _recipe_for(name, sd3_pool["base"])
+    ray_recipe = recipe_from_dict(d)
+    local_recipe = recipe_from_dict({**d, "trainer": {**d["trainer"], "backend": "local"}})
+    adapter = load_policy(local_recipe)
+    local = LocalLearner(local_recipe, adapter)
+    init, _ = local.state()
+    init = {k: v.clone() for k, v in init.items()}
+    before = {k: v.clone() for k, v in local.rollout_weights().items()}
+    engine = EmbeddedEngine(adapter, max_num_seqs=16)
+    reward = build_reward(local_recipe)
+    ports = Ports(local, engine, lambda: reward)
+    loop = DiffusionLoop(local_recipe, ports, sd3_pool["tmp"] / name)
+    trajs = engine.generate_many(loop.requests_for(0))
+    rewards, _, _ = loop.score(trajs, 0)
+    batch, _ = loop.update_batch(trajs, rewards, 0)
+    engine.close()
+
+    rl = sd3_pool["ray"]
+    rl.configure(ray_recipe)  # fresh optimizer, this algorithm
+    rl.load_state(init, None)
+    got = rl.update(batch, 0)
+    want = local.update(batch, 0)
+    assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+    assert got["actor/grad_norm"] == pytest.approx(want["actor/grad_norm"], rel=1e-4, abs=1e-7)
+    lw, rw = local.rollout_weights(), rl.rollout_weights()
+    assert sorted(lw) == sorted(rw)
+    moved = max(float((lw[k] - before[k]).abs().max()) for k in lw)
+    assert moved > 1e-4, "the update did not move the weights"
+    for k in lw:
+        torch.testing.assert_close(rw[k], lw[k], atol=1e-5, rtol=0, msg=k)
+    if name in ("flow_grpo", "flow_dppo", "grpo_guard", "dance_grpo", "mix_grpo"):
+        assert want["actor/kl_ref"] >= 0.0 and got["actor/kl_ref"] == pytest.approx(
+            want["actor/kl_ref"], abs=1e-6
+        )
+
+
+def _thinker_recipe(tmp, model) -> dict:
+    return {
+        "experiment": "ray-omni",
+        "model": {"path": str(model), "tiny": "qwen3_omni_thinker"},
+        "lora": {"rank": 4, "alpha": 8},
+        "data": {
+            "task": "shapes",
+            "task_options": {"image_size": 32},
+            "task_size": 16,
+            "val_size": 4,
+            "prompts_per_step": 3,
+        },
+        "rollout": {"n": 4, "max_new_tokens": 3, "max_num_seqs": 8},
+        "reward": {"name": "choice", "options": {"letters": "ABCD"}, "extract": "first_letter"},
+        "algorithm": {"name": "gspo", "num_minibatches": 2, "rows_per_forward": 2},
+        "optimizer": {"lr": 1e-2, "eps": 1e-4},
+        "trainer": {
+            "steps": 2,
+            "output_dir": str(tmp / "run"),
+            "progress": False,
+            "threads": 1,
+            "num_workers": 2,
+            "backend": "ray",
         },
     }
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ray")
-    if not ray.is_initialized():  # one Ray session for the whole test run (start-up is slow)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    local = LocalTrainer(recipe_from_dict(tiny_recipe(tmp)), tmp / "local")
-    local.setup()
-    lb = local.rollout(0)
-    local.score(lb, 0)
-    lm = local.update(lb, 0)
-    rt = RayTrainer(recipe_from_dict(tiny_recipe(tmp, backend="ray", num_workers=2)), tmp / "r")
-    rt.setup()
-    rb = rt.rollout(0)
-    rt.score(rb, 0)
-    rm = rt.update(rb, 0)
-    yield {
-        "tmp": tmp,
-        "local": local,
-        "lb": lb,
-        "lm": lm,
-        "rt": rt,
-        "rb": rb,
-        "rm": rm,
-        "lw": local.adapter.export_rollout_weights(),
-        "rw": tensors_from_bytes(rt.gather_weights())[0],
-    }
-    rt.close()
+def thinker_pool(ray_session, tmp_path_factory, tiny_thinker):
+    tmp = tmp_path_factory.mktemp("ray-omni")
+    base = _thinker_recipe(tmp, tiny_thinker)
+    recipe = recipe_from_dict(base)
+    learner = RayLearner(recipe, pool_sizes(recipe)["actor"])
+    yield {"tmp": tmp, "base": base, "ray": learner}
+    learner.close()
 
 
-def test_parity_loss_and_weights_after_one_step(session):
-    lm, rm = session["lm"], session["rm"]
-    assert rm["loss"] == pytest.approx(lm["loss"], abs=1e-5)
-    assert rm["actor/grad_norm"] == pytest.approx(lm["actor/grad_norm"], rel=1e-4)
-    lw, rw = session["lw"], session["rw"]
-    assert sorted(lw) == sorted(rw)
-    moved = max(float(lw[k].abs().max()) for k in lw if "lora_B" in k)
-    assert moved > 1e-3  # the step did change the LoRA weights
+@pytest.mark.parametrize("name", ["gspo", "grpo"])
+def test_token_update_parity_local_vs_two_fsdp_ranks(name, thinker_pool):
+    from omni_train.backends.local import ThinkerRollout
+    from omni_train.loops import OmniLoop
+    from omni_train.updates import token_batch
+
+    tmp = thinker_pool["tmp"]
+    d = _recipe_for(name, thinker_pool["base"])
+    ray_recipe = recipe_from_dict(d)
+    local_recipe = recipe_from_dict({**d, "trainer": {**d["trainer"], "backend": "local"}})
+    adapter = load_policy(local_recipe)
+    local = LocalLearner(local_recipe, adapter)
+    init, _ = local.state()
+    init = {k: v.clone() for k, v in init.items()}
+    before = {k: v.clone() for k, v in local.rollout_weights().items()}
+    sampler = ThinkerRollout(adapter, local_recipe, None)
+    reward = build_reward(local_recipe)
+    loop = OmniLoop(local_recipe, Ports(local, sampler, lambda: reward), tmp / name)
+    items = [it for it in loop.data.prompts_for_step(0) for _ in range(4)]
+    out = sampler.generate(items, list(range(len(items))), temperature=1.0, top_p=1.0)
+    adv = torch.linspace(-1.5, 1.5, len(items))  # any advantages: parity, not learning
+    batch = token_batch(
+        items, out["tokens"], out["log_probs"], out["mask"], adv, out["temperature"]
+    )
+    rl = thinker_pool["ray"]
+    rl.configure(ray_recipe)
+    rl.load_state(init, None)
+    got = rl.update(batch, 0)
+    want = local.update(batch, 0)
+    assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+    assert got["actor/kl_ref"] == pytest.approx(want["actor/kl_ref"], abs=1e-6)
+    lw, rw = local.rollout_weights(), rl.rollout_weights()
     for k in lw:
         torch.testing.assert_close(rw[k], lw[k], atol=1e-5, rtol=0, msg=k)
+    assert max(float((lw[k] - before[k]).abs().max()) for k in lw) > 1e-4
 
 
-def test_rollout_seeds_independent_of_split(session):
-    lb, rb = session["lb"], session["rb"]
-    assert rb.seeds == lb.seeds and rb.group_ids == lb.group_ids
-    assert len(rb.trajectories) == 8
-    for a, b in zip(lb.trajectories, rb.trajectories):
-        assert a.request_id == b.request_id and a.window == b.window
+@pytest.fixture(scope="module")
+def pools(sd3_pool):
+    """2 rollout workers and 1 reward worker on the sd3 recipe."""
+    recipe = recipe_from_dict(sd3_pool["base"])
+    sizes = pool_sizes(recipe)
+    rj = recipe.model_dump_json()
+    rollout = RayDiffusionRollout(rj, sizes["rollout"], 3)
+    reward = RayReward(rj, sizes["reward"], 3)
+    yield {"recipe": recipe, "rollout": rollout, "reward": reward}
+    rollout.close()
+    reward.close()
+
+
+def _loop(recipe, rollout, reward, tmp):
+    from omni_train.ports import Ports
+
+    return DiffusionLoop(recipe, Ports(None, rollout, lambda: reward), tmp)
+
+
+def test_rollout_seeds_and_rewards_independent_of_split(pools, sd3_pool):
+    from diffusion_rollout import EmbeddedEngine
+
+    recipe = pools["recipe"]
+    loop = _loop(recipe, pools["rollout"], pools["reward"], sd3_pool["tmp"] / "split")
+    reqs = loop.requests_for(0)
+    got = pools["rollout"].generate_many(reqs)
+    with EmbeddedEngine(load_policy(recipe), max_num_seqs=16) as engine:
+        want = engine.generate_many(reqs)
+    assert [t.request_id for t in got] == [r.request_id for r in reqs]
+    for a, b in zip(want, got):
+        assert a.window == b.window and a.seed == b.seed
         torch.testing.assert_close(b.latents, a.latents, atol=1e-5, rtol=0)
         torch.testing.assert_close(b.log_probs, a.log_probs, atol=1e-4, rtol=0)
-    np.testing.assert_allclose(rb.rewards, lb.rewards, atol=1e-5)
+    ours, _, _ = loop.score(got, 0)
+    local_reward = build_reward(recipe)
+    np.testing.assert_allclose(
+        ours, _loop(recipe, None, local_reward, sd3_pool["tmp"]).score(want, 0)[0], atol=1e-5
+    )
 
 
-def test_weight_sync_is_versioned_lora_fast_path(session):
-    rt = session["rt"]
-    rt.sync_weights(1)
-    want = weights_checksum(session["rw"])
-    got = ray.get([h.checksum.remote() for h in rt.engine.pool.handles])
+def test_weight_sync_is_versioned(pools, sd3_pool):
+    rollout = pools["rollout"]
+    weights = sd3_pool["ray"].rollout_weights()
+    rollout.update_weights(weights, 7)
+    want = weights_checksum(weights)
+    got = ray.get([h.checksum.remote() for h in rollout.pool.handles])
     assert got == [want, want]
-    b = rt.rollout(1)
-    assert {t.version for t in b.trajectories} == {1}
-    # full weights when asked: every weight of the transformer goes across
-    payload = tensors_from_bytes(rt.gather_weights(full=True))[0]
-    assert len(payload) > len(session["rw"]) and any("lora" not in k for k in payload)
-    rt.sync_weights(2, full=True)
-    assert ray.get([h.checksum.remote() for h in rt.engine.pool.handles]) == [want, want]
-    with pytest.raises(ray.exceptions.RayTaskError, match="not newer"):
-        ray.get(rt.engine.pool.handles[0].update_weights.remote(rt.gather_weights(), 1))
-    rt.engine.sleep()  # between phases the rollout memory is released; serving is refused
+    loop = _loop(pools["recipe"], rollout, pools["reward"], sd3_pool["tmp"] / "sync")
+    assert {t.version for t in rollout.generate_many(loop.requests_for(1))} == {7}
+    rollout.sleep()  # between phases the rollout memory is released; serving is refused
     with pytest.raises(ray.exceptions.RayTaskError, match="asleep"):
-        rt.rollout(1)
-    rt.engine.wake()
+        rollout.generate_many(loop.requests_for(1))
+    rollout.wake()
 
 
 def kill_first_worker(pool) -> None:
@@ -143,55 +294,50 @@ def kill_first_worker(pool) -> None:
     pytest.fail("worker 0 still answers 60 s after ray.kill")
 
 
-def test_killed_rollout_worker_is_restarted_and_resubmitted(session):
-    rt = session["rt"]
-    ref = rt.rollout(2)
-    before = rt.engine.pool.restarts
-    rt.engine.pool.before_submit = kill_first_worker
-    b = rt.rollout(2)
-    assert rt.engine.pool.restarts == before + 1
-    assert len(b.trajectories) == len(ref.trajectories) == 8
-    assert [t.request_id for t in b.trajectories] == [t.request_id for t in ref.trajectories]
-    assert {t.version for t in b.trajectories} == {rt.version}  # restarted at the current version
-    for x, y in zip(b.trajectories, ref.trajectories):
+def test_killed_rollout_worker_is_restarted_and_resubmitted(pools, sd3_pool):
+    rollout = pools["rollout"]
+    loop = _loop(pools["recipe"], rollout, pools["reward"], sd3_pool["tmp"] / "kill")
+    reqs = loop.requests_for(2)
+    ref = rollout.generate_many(reqs)
+    before = rollout.pool.restarts
+    rollout.pool.before_submit = kill_first_worker
+    got = rollout.generate_many(reqs)
+    assert rollout.pool.restarts == before + 1
+    assert [t.request_id for t in got] == [t.request_id for t in ref]
+    assert {t.version for t in got} == {rollout.version}  # restarted at the current version
+    for x, y in zip(got, ref):
         torch.testing.assert_close(x.latents, y.latents, atol=1e-5, rtol=0)
 
 
-def test_killed_reward_worker_is_restarted_and_resubmitted(session):
-    rt = session["rt"]
-    b = rt.rollout(3)
-    rt.score(b, 3)
-    ref = b.rewards.copy()
-    before = rt.reward.pool.restarts
-    rt.reward.pool.before_submit = kill_first_worker
-    rt.score(b, 3)
-    assert rt.reward.pool.restarts == before + 1
-    assert len(b.rewards) == 8
-    np.testing.assert_allclose(b.rewards, ref)
+def test_killed_reward_worker_is_restarted_and_resubmitted(pools, sd3_pool):
+    rollout, reward = pools["rollout"], pools["reward"]
+    loop = _loop(pools["recipe"], rollout, reward, sd3_pool["tmp"] / "kill-r")
+    trajs = rollout.generate_many(loop.requests_for(3))
+    ref, _, _ = loop.score(trajs, 3)
+    before = reward.pool.restarts
+    reward.pool.before_submit = kill_first_worker
+    got, _, _ = loop.score(trajs, 3)
+    assert reward.pool.restarts == before + 1
+    np.testing.assert_allclose(got, ref)
 
 
-def test_train_step_logs_like_local(session, tmp_path):
-    rt = session["rt"]
-    logger = MetricsLogger(tmp_path)
-    row = rt.train_step(3, logger)
-    logger.close()
-    assert row["rollout/rows"] == 8 and row["weights/version"] == 4
-    assert np.isfinite(row["loss"]) and "timing/update_s" in row
-    assert (session["rt"].run_dir / "checkpoint").exists()  # last step saves
-
-
-def test_pool_sizes_and_errors(tmp_path):
-    r = recipe_from_dict(tiny_recipe(tmp_path, backend="ray", num_workers=3))
+def test_pool_sizes_and_errors(tmp_path, tiny_sd3):
+    r = recipe_from_dict(
+        tiny_recipe(tmp_path, tiny_sd3, trainer={"backend": "ray", "num_workers": 3})
+    )
     assert pool_sizes(r)["actor"]["workers"] == 3 and pool_sizes(r)["reward"]["workers"] == 1
     d = tiny_recipe(
         tmp_path,
-        backend="ray",
-        gpus_per_node=1,
-        resource_pools={"actor": {"workers": 2, "gpus_per_worker": 1}},
+        tiny_sd3,
+        trainer={
+            "backend": "ray",
+            "gpus_per_node": 1,
+            "resource_pools": {"actor": {"workers": 2, "gpus_per_worker": 1}},
+        },
     )
     with pytest.raises(TrainError, match=r"trainer\.resource_pools"):
         pool_sizes(recipe_from_dict(d))
     with pytest.raises(RecipeError, match="resource_pools"):
-        recipe_from_dict(tiny_recipe(tmp_path, resource_pools={"critic": {"workers": 1}}))
-    with pytest.raises(TrainError, match=r"trainer\.num_workers"):
-        make_shard_plan([torch.arange(8)], 4, 3)
+        recipe_from_dict(
+            tiny_recipe(tmp_path, tiny_sd3, trainer={"resource_pools": {"critic": {"workers": 1}}})
+        )

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from omni_train.algorithms import ALGORITHMS
 from omni_train.recipe import (
     Recipe,
     RecipeError,
@@ -116,19 +117,81 @@ def test_missing_required_and_cross_field(recipe_dict) -> None:
         recipe_from_dict(d)
 
 
+def _with(d: dict, **sections) -> dict:
+    d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()}
+    for k, v in sections.items():
+        d[k] = {**d.get(k, {}), **v}
+    return d
+
+
+def _diffusion_ok(d: dict, name: str) -> dict:
+    """The minimal recipe made valid for a diffusion algorithm."""
+    d = _with(d, algorithm={"name": name})
+    if name == "dance_grpo":
+        d["rollout"]["sde_kind"] = "dance"
+    return d
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_algorithm_table_refuses_what_does_not_run(recipe_dict, name) -> None:
+    """Every backend and mode an algorithm's row does not list is refused by key; those it
+    lists validate."""
+    row = ALGORITHMS[name]
+    base = recipe_dict()
+    if row.model == "omni":
+        base = _with(base, model={"tiny": "qwen3_omni_thinker"})
+        base["data"] = {"task": "shapes", "prompts_per_step": 2}
+        base["reward"] = {"name": "choice"}
+    base = _diffusion_ok(base, name)
+    for backend in ("local", "ray", "verl"):
+        for mode in ("sync", "async"):
+            d = _with(base, trainer={"backend": backend, "mode": mode})
+            if backend in row.backends and mode in row.modes:
+                recipe_from_dict(d)
+                continue
+            key = "trainer.backend" if backend not in row.backends else "trainer.mode"
+            with pytest.raises(RecipeError, match=re.escape(key) + f": {name} runs"):
+                recipe_from_dict(d)
+
+
 @pytest.mark.parametrize(
-    ("section", "value", "key"),
+    ("changes", "key"),
     [
-        ("reward", {"name": "latent", "inputs": ["latents"]}, "reward.inputs"),
-        ("optimizer", {"grad_accumulation": 2}, "optimizer.grad_accumulation"),
+        (
+            {"trainer": {"backend": "ray"}, "reward": {"inputs": ["media", "audio"]}},
+            "reward.inputs",
+        ),
+        ({"trainer": {"backend": "ray"}, "optimizer": {"ema_decay": 0.9}}, "optimizer.ema_decay"),
+        ({"trainer": {"mode": "async"}, "optimizer": {"ema_decay": 0.9}}, "optimizer.ema_decay"),
+        (
+            {"algorithm": {"name": "diffusion_dpo", "rollout_correction": "decoupled"}},
+            "algorithm.rollout_correction",
+        ),
+        ({"algorithm": {"name": "diffusion_nft", "kl_beta": 0.1}}, "algorithm.kl_beta"),
+        ({"algorithm": {"name": "dance_grpo"}}, "rollout.sde_kind"),
+        ({"algorithm": {"name": "gspo"}}, "algorithm.name"),  # a token algorithm on SD3
+        ({"algorithm": {"name": "kl_penalty"}}, "algorithm.name"),  # a term, not an algorithm
+        ({"algorithm": {"name": "flowgrpo"}}, "algorithm.name"),
     ],
 )
-def test_what_backend_ray_cannot_do_yet_is_named(recipe_dict, section, value, key) -> None:
-    d = recipe_dict()
-    d[section] = {**d.get(section, {}), **value}
-    recipe_from_dict(d)  # fine on the local backend
-    d["trainer"] = {**d.get("trainer", {}), "backend": "ray"}
-    with pytest.raises(RecipeError, match=re.escape(key) + r": .*backend ray"):
+def test_unsupported_combinations_are_named(recipe_dict, changes, key) -> None:
+    d = _with(recipe_dict(), **changes)
+    with pytest.raises(RecipeError, match=re.escape(key)):
+        recipe_from_dict(d)
+
+
+def test_renamed_key_says_what_to_write(recipe_dict) -> None:
+    d = _with(recipe_dict(), optimizer={"grad_accumulation": 2})
+    with pytest.raises(
+        RecipeError,
+        match=r"optimizer.grad_accumulation' was renamed: use algorithm\.rows_per_forward",
+    ):
+        recipe_from_dict(d)
+
+
+def test_flowgrpo_suggests_the_algorithm(recipe_dict) -> None:
+    d = _with(recipe_dict(), algorithm={"name": "flowgrpo"})
+    with pytest.raises(RecipeError, match=r"did you mean 'flow_grpo'"):
         recipe_from_dict(d)
 
 

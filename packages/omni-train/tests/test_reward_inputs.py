@@ -8,10 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from omni_train_testutils import local_loop
 
+from omni_train import train
 from omni_train.errors import TrainError
 from omni_train.recipe import RecipeError, recipe_from_dict
-from omni_train.trainer import LocalTrainer
 
 
 def test_latent_reward_trains_without_decoding(train_dict, tmp_path: Path) -> None:
@@ -25,29 +26,29 @@ def test_latent_reward_trains_without_decoding(train_dict, tmp_path: Path) -> No
         },
         trainer={"sample_every": 2, "steps": 4},
     )
-    t = LocalTrainer(recipe_from_dict(d), tmp_path / "run")
-    t.setup()
+    loop = local_loop(recipe_from_dict(d), tmp_path / "run")
     report = json.loads((scorer / "report.json").read_text())
     assert report["pairs"] == 24 and report["teacher"] == "brightness"
-    assert t.params.output == "latent"
-    b = t.rollout(1)
-    assert all(tr.media is None and tr.final_latent is not None for tr in b.trajectories)
-    t.score(b, 1)  # step 1 is not a sample step: no decode at all
-    assert b.images is None and np.isfinite(b.rewards).all()
-    b0 = t.rollout(0)
-    t.score(b0, 0)  # a sample step: decoded for the grid only
-    assert b0.images is not None and b0.images.shape == (8, 32, 32, 3)
+    reqs = loop.requests_for(1)
+    assert {q.params.output for q in reqs} == {"latent"}  # step 1 is not a sample step
+    trajs = loop.ports.rollout.generate_many(reqs)
+    assert all(tr.media is None and tr.final_latent is not None for tr in trajs)
+    rewards, _, media = loop.score(trajs, 1)
+    assert media is None and np.isfinite(rewards).all()  # no decode at all
+    trajs0 = loop.ports.rollout.generate_many(loop.requests_for(0))
+    _, _, media0 = loop.score(trajs0, 0)  # a sample step: decoded for the grid only
+    assert media0 is not None and media0.shape == (8, 32, 32, 3)
+    loop.ports.close()
     # the scorer is not refitted when it exists
     mtime = (scorer / "model.safetensors").stat().st_mtime_ns
-    t2 = LocalTrainer(recipe_from_dict(d), tmp_path / "run2")
-    t2.setup()
+    local_loop(recipe_from_dict(d), tmp_path / "run2").ports.close()
     assert (scorer / "model.safetensors").stat().st_mtime_ns == mtime
 
 
 def test_reward_input_errors_name_the_field(train_dict, tmp_path: Path) -> None:
     d = train_dict(reward={"inputs": ["audio"]})
     with pytest.raises(TrainError, match=r"reward\.inputs: audio needs a video\+audio model"):
-        LocalTrainer(recipe_from_dict(d), tmp_path / "a").setup()
+        train(recipe_from_dict(d), tmp_path / "a")
     d = train_dict(reward={"inputs": ["media", "media"]})
     with pytest.raises(RecipeError, match=r"reward\.inputs"):
         recipe_from_dict(d)
@@ -63,7 +64,7 @@ def test_reward_input_errors_name_the_field(train_dict, tmp_path: Path) -> None:
         }
     )
     with pytest.raises(TrainError, match=r"reward\.distill\.teacher: unknown reward"):
-        LocalTrainer(recipe_from_dict(d), tmp_path / "b").setup()
+        train(recipe_from_dict(d), tmp_path / "b")
 
 
 def test_full_regex_trains_only_matching_parameters(tmp_path: Path) -> None:
@@ -87,15 +88,16 @@ def test_full_regex_trains_only_matching_parameters(tmp_path: Path) -> None:
         "reward": {"name": "brightness"},
         "trainer": {"steps": 1, "progress": False},
     }
-    t = LocalTrainer(recipe_from_dict(d), tmp_path / "run")
-    t.setup()
-    trained = {n for n, p in t.adapter.model.named_parameters() if p.requires_grad}
+    from omni_train.models import load_policy
+
+    adapter = load_policy(recipe_from_dict(d))
+    trained = {n for n, p in adapter.model.named_parameters() if p.requires_grad}
     assert trained and all(re.fullmatch(regex, n) for n in trained)
     assert "language_model.layers.0.self_attn.q_proj.weight" not in trained
     assert "vae2llm.weight" in trained
     d["lora"]["full_regex"] = "nothing_matches"
     with pytest.raises(TrainError, match=r"lora\.full_regex: 'nothing_matches' matches no"):
-        LocalTrainer(recipe_from_dict(d), tmp_path / "r2").setup()
+        load_policy(recipe_from_dict(d))
     d["lora"]["full_regex"] = "(unclosed"
     with pytest.raises(RecipeError, match=r"lora\.full_regex"):
         recipe_from_dict(d)

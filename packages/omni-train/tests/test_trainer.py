@@ -8,11 +8,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from omni_train_testutils import local_loop, rollout_and_score
 
+from omni_train import resume, train
 from omni_train.errors import NonFiniteError, TrainError
+from omni_train.loops import DiffusionLoop
 from omni_train.plots import read_metrics
-from omni_train.recipe import recipe_from_dict
-from omni_train.trainer import TIMING_PREFIXES, LocalTrainer, resume, train
+from omni_train.recipe import RecipeError, recipe_from_dict
+
+#: metrics that measure wall-clock time (they differ between runs; everything else must not)
+TIMING_PREFIXES = ("timing/", "perf/")
 
 REQUIRED = [
     "step",
@@ -70,15 +75,16 @@ def test_two_steps_write_everything(train_dict, tmp_path: Path) -> None:
     assert (run / "recipe.yaml").is_file()
 
 
-def test_weights_change_and_reach_engine(train_dict) -> None:
+def test_weights_change_and_reach_engine(train_dict, tmp_path: Path) -> None:
     recipe = recipe_from_dict(train_dict(trainer={"steps": 1, "sample_every": 0}))
-    t = LocalTrainer(recipe)
-    t.setup()
-    before = {k: v.detach().clone() for k, v in t.params_named.items()}
-    t.train()
-    changed = [k for k, v in t.params_named.items() if not torch.equal(v, before[k])]
+    loop = local_loop(recipe, tmp_path / "run")
+    params = loop.learner.params_named
+    before = {k: v.detach().clone() for k, v in params.items()}
+    loop.train()
+    changed = [k for k, v in params.items() if not torch.equal(v, before[k])]
     assert changed, "the update changed no LoRA parameter"
-    assert t.engine.version == 1
+    assert loop.ports.rollout.version == 1
+    loop.ports.close()
 
 
 def test_same_seed_same_metrics_other_seed_differs(train_dict, tmp_path: Path) -> None:
@@ -107,18 +113,18 @@ def test_resume_equals_uninterrupted(train_dict, tmp_path: Path, monkeypatch) ->
             algorithm={"num_minibatches": 2, "clip_range": 0.2},
         )
     )
-    orig = LocalTrainer.train_step
+    orig = DiffusionLoop.train_step
 
-    def dying(self, step, logger):
-        row = orig(self, step, logger)
+    def dying(self, step, rollout):
+        row = orig(self, step, rollout)
         if step == 2:  # step 2 is logged, but the last checkpoint is after step 1
             raise KeyboardInterrupt
         return row
 
-    monkeypatch.setattr(LocalTrainer, "train_step", dying)
+    monkeypatch.setattr(DiffusionLoop, "train_step", dying)
     with pytest.raises(KeyboardInterrupt):
         train(recipe)
-    monkeypatch.setattr(LocalTrainer, "train_step", orig)
+    monkeypatch.setattr(DiffusionLoop, "train_step", orig)
     assert len(read_metrics(run / "metrics.jsonl")) == 3
     resume(run)
     resumed = read_metrics(run / "metrics.jsonl")
@@ -130,7 +136,7 @@ def test_missing_model_path_is_clear(train_dict, tmp_path: Path) -> None:
     d = train_dict()
     d["model"] = {"path": str(tmp_path / "nowhere")}
     with pytest.raises(TrainError, match=r"model.path: .*nowhere does not exist.*model.tiny"):
-        LocalTrainer(recipe_from_dict(d)).setup()
+        train(recipe_from_dict(d))
 
 
 def _tiny_recipe(path: Path, seed: int = 0) -> Any:
@@ -143,7 +149,7 @@ def _tiny_recipe(path: Path, seed: int = 0) -> Any:
 def test_tiny_build_race_keeps_the_other_runs_model(tmp_path: Path, monkeypatch) -> None:
     """Two runs building the same tiny model at once: the loser keeps the winner's folder."""
     from omni_adapters import tiny
-    from omni_train.trainer import ensure_model
+    from omni_train.models import ensure_model
 
     target = tmp_path / "models" / "sd3"
 
@@ -164,7 +170,7 @@ def test_stale_tiny_model_is_rebuilt(tmp_path: Path, monkeypatch) -> None:
     """A cached tiny model whose stamp names another seed or builder revision is rebuilt; a
     current one, or a folder without a stamp, is used as is."""
     from omni_adapters import tiny
-    from omni_train.trainer import ensure_model
+    from omni_train.models import ensure_model
 
     built: list[int] = []
 
@@ -197,10 +203,10 @@ def test_unknown_reward_and_missing_extra(train_dict, monkeypatch) -> None:
     import omni_rewards
 
     with pytest.raises(TrainError, match=re.escape("reward.name: unknown reward 'nope'")):
-        LocalTrainer(recipe_from_dict(train_dict(reward={"name": "nope"}))).setup()
+        train(recipe_from_dict(train_dict(reward={"name": "nope"})))
     bad_option = train_dict(reward={"name": "brightness", "options": {"foo": 1}})
     with pytest.raises(TrainError, match=re.escape("reward.options: reward 'brightness' has no")):
-        LocalTrainer(recipe_from_dict(bad_option)).setup()
+        train(recipe_from_dict(bad_option))
 
     def needs_extra(**options):
         raise omni_rewards.MissingDependencyError(
@@ -210,7 +216,7 @@ def test_unknown_reward_and_missing_extra(train_dict, monkeypatch) -> None:
 
     monkeypatch.setitem(omni_rewards.REWARDS, "fancy", needs_extra)
     with pytest.raises(TrainError, match=r"pip install 'omni-rewards\[fancy\]'"):
-        LocalTrainer(recipe_from_dict(train_dict(reward={"name": "fancy"}))).setup()
+        train(recipe_from_dict(train_dict(reward={"name": "fancy"})))
 
 
 def test_nan_reward_stops_with_step_and_samples(train_dict, tmp_path: Path, monkeypatch) -> None:
@@ -270,23 +276,38 @@ def test_wandb_offline_logs_and_resume_continues_the_run(train_dict, monkeypatch
     assert wandb.run is None  # the logger finished its run
 
 
-def test_grad_accumulation_gives_the_same_step(train_dict, tmp_path: Path) -> None:
-    """3 chunks of a 8-row minibatch (3 + 3 + 2 rows) sum to the whole minibatch's gradient."""
+def _one_update(recipe, run_dir: Path, tamper=None):
+    """Roll out, score and update step 0; returns (metrics, trainable weights after)."""
+    loop = local_loop(recipe, run_dir)
+    trajs, rewards = rollout_and_score(loop)
+    if tamper is not None:
+        tamper(trajs)
+    batch, _ = loop.update_batch(trajs, rewards, 0)
+    correction = recipe.algorithm.rollout_correction
+    metrics = loop.learner.update(batch, 0, None if correction == "off" else correction)
+    weights = {k: v.detach().clone() for k, v in loop.learner.params_named.items()}
+    loop.ports.close()
+    return metrics, weights
+
+
+def test_micro_batches_and_packing_give_the_same_step(train_dict, tmp_path: Path) -> None:
+    """A minibatch of 8 rows in one forward per window step, in micro-batches of 3 (3 + 3 + 2
+    rows, one window step each), and in micro-batches of 4 that pack both window steps into
+    one forward: the same optimizer step."""
     weights, losses = [], []
-    for g in (1, 3):
-        d = train_dict(optimizer={"grad_accumulation": g}, trainer={"sample_every": 0})
-        t = LocalTrainer(recipe_from_dict(d), tmp_path / f"acc{g}")
-        t.setup()
-        b = t.rollout(0)
-        t.score(b, 0)
-        m = t.update(b, 0)
+    for rows in (8, 3, 4):
+        d = train_dict(algorithm={"rows_per_forward": rows}, trainer={"sample_every": 0})
+        if rows == 8:
+            d["rollout"]["max_num_seqs"] = 8
+        m, w = _one_update(recipe_from_dict(d), tmp_path / f"rows{rows}")
         losses.append(m["loss"])
-        weights.append({k: v.detach().clone() for k, v in t.params_named.items()})
-    assert losses[1] == pytest.approx(losses[0], abs=1e-6)
+        weights.append(w)
     moved = False
-    for k in weights[0]:
-        torch.testing.assert_close(weights[1][k], weights[0][k], atol=2e-6, rtol=0)
-        moved |= bool((weights[0][k] != 0).any())
+    for other, loss in zip(weights[1:], losses[1:]):
+        assert loss == pytest.approx(losses[0], abs=1e-6)
+        for k in weights[0]:
+            torch.testing.assert_close(other[k], weights[0][k], atol=2e-6, rtol=0)
+            moved |= bool((weights[0][k] != 0).any())
     assert moved
 
 
@@ -294,36 +315,36 @@ def test_rollout_correction_weights_and_rejects(train_dict, tmp_path: Path) -> N
     """On matching log-probs the correction is a no-op; rows whose rollout log-prob is off by
     +2 (IS ratio e^-2, outside [0.5, 2]) are rejected."""
     rows = {}
+
+    def mismatch(trajs) -> None:  # a mismatched rollout engine on half the rows
+        for tr in trajs[:4]:
+            tr.log_probs = tr.log_probs + 2.0
+
     for mode in ("off", "decoupled", "bypass"):
         d = train_dict(algorithm={"rollout_correction": mode}, trainer={"sample_every": 0})
-        t = LocalTrainer(recipe_from_dict(d), tmp_path / mode)
-        t.setup()
-        b = t.rollout(0)
-        t.score(b, 0)
-        if mode == "bypass":  # a mismatched rollout engine on half the rows
-            for tr in b.trajectories[:4]:
-                tr.log_probs = tr.log_probs + 2.0
-        rows[mode] = t.update(b, 0)
+        tamper = mismatch if mode == "bypass" else None
+        rows[mode], _ = _one_update(recipe_from_dict(d), tmp_path / mode, tamper)
     assert rows["decoupled"]["loss"] == pytest.approx(rows["off"]["loss"], abs=1e-5)
-    assert rows["decoupled"]["rollout/correction_rejected_frac"] == 0.0
-    assert rows["decoupled"]["rollout/correction_logprob_abs_diff_max"] < 1e-4
-    assert rows["bypass"]["rollout/correction_rejected_frac"] == pytest.approx(0.5)
-    assert "rollout/correction_k3_kl" not in rows["off"]
+    assert rows["decoupled"]["correction/rejected_frac"] == 0.0
+    assert rows["decoupled"]["correction/logprob_abs_diff_max"] < 1e-4
+    assert rows["bypass"]["correction/rejected_frac"] == pytest.approx(0.5)
+    assert "correction/k3_kl" not in rows["off"]
 
 
 def test_lora_export_loads_in_diffusers(train_dict, tiny_sd3: Path) -> None:
     from diffusers import StableDiffusion3Pipeline
 
     recipe = recipe_from_dict(train_dict(trainer={"steps": 1, "sample_every": 0}))
-    t = LocalTrainer(recipe)
-    t.train()
+    loop = local_loop(recipe, recipe.trainer.output_dir)
+    loop.train()
+    adapter = loop.learner.adapter
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
     pipe.load_lora_weights(Path(recipe.trainer.output_dir) / "checkpoint" / "step_0001" / "lora")
     cfg = next(iter(pipe.transformer.peft_config.values()))
     assert (cfg.r, cfg.lora_alpha) == (recipe.lora.rank, recipe.lora.alpha)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 16, 8, 8, generator=g)
-    cond = t.adapter.encode(["a red square", "a blue circle"])
+    cond = adapter.encode(["a red square", "a blue circle"])
     kw = dict(
         hidden_states=x,
         encoder_hidden_states=cond["prompt_embeds"],
@@ -332,10 +353,10 @@ def test_lora_export_loads_in_diffusers(train_dict, tiny_sd3: Path) -> None:
         return_dict=False,
     )
     with torch.no_grad():
-        ours = t.adapter.model(**kw)[0]
+        ours = adapter.model(**kw)[0]
         theirs = pipe.transformer(**kw)[0]
-        with t.adapter.disabled_adapters():
-            base = t.adapter.model(**kw)[0]
+        with adapter.disabled_adapters():
+            base = adapter.model(**kw)[0]
     assert not torch.allclose(ours, base)  # the trained LoRA does something
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
@@ -346,8 +367,8 @@ def test_kl_to_reference(train_dict) -> None:
     assert rows[1]["actor/kl_ref"] > 0.0
     d = train_dict(algorithm={"kl_beta": 0.5})
     d["lora"] = {"enabled": False}
-    with pytest.raises(TrainError, match=re.escape("kl_beta > 0 needs lora.enabled")):
-        LocalTrainer(recipe_from_dict(d)).setup()
+    with pytest.raises(RecipeError, match=re.escape("kl_beta > 0 needs lora.enabled")):
+        recipe_from_dict(d)
 
 
 def test_ema_weights_and_exact_resume(train_dict, tmp_path: Path, monkeypatch) -> None:
@@ -356,26 +377,26 @@ def test_ema_weights_and_exact_resume(train_dict, tmp_path: Path, monkeypatch) -
     full_recipe = recipe_from_dict(
         train_dict(trainer={**common, "output_dir": str(tmp_path / "full")}, optimizer=opt)
     )
-    t = LocalTrainer(full_recipe)
-    full = t.train()
-    ema = t.adapter.adapter_state("ema")
-    live = t.adapter.adapter_state("default")
+    loop = local_loop(full_recipe, full_recipe.trainer.output_dir)
+    full = loop.train()
+    ema = loop.learner.adapter.adapter_state("ema")
+    live = loop.learner.adapter.adapter_state("default")
     assert any(not torch.equal(ema[k], live[k]) for k in live)  # the EMA lags the weights
     assert "ema/" + next(iter(live)) in load_file_keys(tmp_path / "full")
 
     run = tmp_path / "cut"
     rec = recipe_from_dict(train_dict(trainer={**common, "output_dir": str(run)}, optimizer=opt))
-    orig = LocalTrainer.train_step
+    orig = DiffusionLoop.train_step
 
-    def dying(self, step, logger):
+    def dying(self, step, rollout):
         if step == 2:
             raise KeyboardInterrupt
-        return orig(self, step, logger)
+        return orig(self, step, rollout)
 
-    monkeypatch.setattr(LocalTrainer, "train_step", dying)
+    monkeypatch.setattr(DiffusionLoop, "train_step", dying)
     with pytest.raises(KeyboardInterrupt):
         train(rec)
-    monkeypatch.setattr(LocalTrainer, "train_step", orig)
+    monkeypatch.setattr(DiffusionLoop, "train_step", orig)
     resume(run)
     assert _det(read_metrics(run / "metrics.jsonl")) == _det(full)
 

@@ -146,8 +146,8 @@ def test_compute_score_uses_our_reward():
 
 
 def test_run_without_verl_says_how(tmp_path, monkeypatch):
+    from omni_train import train
     from omni_train.errors import TrainError
-    from omni_train.trainer import train
 
     monkeypatch.setattr(vb, "verl_available", lambda: False)
     with pytest.raises(TrainError, match=r"\.venv-verl"):

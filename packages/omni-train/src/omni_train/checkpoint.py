@@ -143,7 +143,7 @@ def save_checkpoint(
     ckpt_root: str | Path,
     step: int,
     trainable: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer | None,
+    optimizer_state: dict[str, Any] | None,
     state: dict[str, Any] | None = None,
     lora_files: dict[str, bytes] | None = None,
     lora_tensors: dict[str, torch.Tensor] | None = None,
@@ -152,8 +152,9 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `step_XXXX` under `ckpt_root` atomically and point `latest` at it.
 
-    `step` is the number of completed training steps. `lora_tensors` / `lora_config` (or raw
-    `lora_files`) are the user-facing LoRA export, written to `lora/`.
+    `step` is the number of completed training steps; `optimizer_state` an optimizer's
+    ``state_dict()`` (None: not saved). `lora_tensors` / `lora_config` (or raw `lora_files`)
+    are the user-facing LoRA export, written to `lora/`.
     """
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
@@ -177,8 +178,8 @@ def save_checkpoint(
             _write_json(tmp / "lora" / "adapter_config.json", lora_config)
         for fname, data in (lora_files or {}).items():
             (tmp / "lora" / fname).write_bytes(data)
-    if optimizer is not None:
-        opt_tensors, opt_meta = optimizer_state_to_safe(optimizer.state_dict())
+    if optimizer_state is not None:
+        opt_tensors, opt_meta = optimizer_state_to_safe(optimizer_state)
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         _write_json(tmp / "optimizer.json", opt_meta)
     rng_tensors, rng_meta = capture_rng()

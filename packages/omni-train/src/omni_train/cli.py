@@ -108,12 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {write_report(args.run)}")
             return 0
         if cmd == "resume":
-            from .trainer import resume
+            from .train import resume
 
             resume(args.run, args.overrides)
             return 0
         from .recipe import load_recipe
-        from .trainer import train
+        from .train import train
 
         recipe = load_recipe(args.recipe, args.overrides)
         train(recipe)

@@ -21,16 +21,24 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .algorithms import ALGORITHMS
+
 
 class RecipeError(ValueError):
     """A recipe that cannot be used; the message names the offending key."""
 
 
-#: tiny families and losses of the omni (autoregressive) path; see `Recipe.is_omni`
+#: tiny families of the omni (autoregressive) path; see `Recipe.is_omni`
 OMNI_FAMILIES = ("qwen3_omni_thinker",)
-OMNI_LOSSES = ("gspo", "grpo")
-#: losses on re-noised clean samples (omni_train.forward_process), not on the SDE replay
-FORWARD_PROCESS_LOSSES = ("diffusion_nft", "diffusion_dpo")
+
+#: keys that were renamed: old dotted key -> what to write instead
+RENAMED_KEYS = {
+    "optimizer.grad_accumulation": (
+        "algorithm.rows_per_forward (the most rows one forward pass takes; a minibatch is "
+        "split into micro-batches of that size, so the optimizer step stays the same: unlike "
+        "trl's gradient_accumulation_steps it never changes the batch per step)"
+    ),
+}
 
 
 class _Section(BaseModel):
@@ -220,10 +228,41 @@ class RewardConfig(_Section):
     )
 
 
+class MixWindowConfig(_Section):
+    """MixGRPO's sliding SDE window (`algorithm.name: mix_grpo`; Li et al. 2025, arXiv
+    2507.21802): at training step s every sample's SDE (trained) window is
+    ``[start, start + rollout.sde_window_size)`` with
+    ``start = min(low + (s // shift_interval) * stride, high - size)`` inside
+    `rollout.sde_window_range` = (low, high) (`omni_algos.sde.mix_grpo_window`); steps after
+    the window are ODE steps taken ``ode_stride`` schedule steps at a time."""
+
+    placement: Literal["progressive", "random"] = Field(
+        "progressive",
+        description="`progressive`: the sliding window; `random`: a window start drawn per "
+        "training step, shared by the batch.",
+    )
+    shift_interval: int = Field(
+        25, ge=1, description="Training steps between two moves of the window."
+    )
+    stride: int = Field(1, ge=0, description="Denoising steps the window moves each time.")
+    ode_stride: int = Field(
+        2,
+        ge=1,
+        description="After the window, each ODE step jumps this many schedule steps with a "
+        "second-order solver (DPM-Solver++(2M)), as MixGRPO-Flash does (1 = plain Euler on "
+        "every step).",
+    )
+
+
 class AlgorithmConfig(_Section):
     """The RL objective."""
 
-    name: str = Field("flow_grpo", description="Loss name in `omni_algos.losses.LOSSES`.")
+    name: str = Field(
+        "flow_grpo",
+        description="An algorithm of `omni_train.algorithms.ALGORITHMS`: flow_grpo, "
+        "dance_grpo, mix_grpo, flow_dppo, grpo_guard, diffusion_nft, diffusion_dpo (diffusion); "
+        "gspo, grpo (omni).",
+    )
     clip_range: float = Field(1e-4, gt=0, description="PPO ratio clip epsilon.")
     adv_clip_max: float = Field(5.0, gt=0, description="Advantages are clipped to +-this.")
     adv_std: Literal["global", "group", "none"] = Field(
@@ -240,6 +279,17 @@ class AlgorithmConfig(_Section):
     )
     options: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for the loss."
+    )
+    rows_per_forward: int | None = Field(
+        None,
+        ge=1,
+        description="The most rows one forward pass of the update takes (memory): a minibatch "
+        "is split into micro-batches of at most this many rows whose gradients add up to the "
+        "same optimizer step, and small micro-batches replay several SDE window steps (or "
+        "noise draws) in one forward. null = `rollout.max_num_seqs`.",
+    )
+    mix_window: MixWindowConfig = Field(
+        default_factory=MixWindowConfig, description="mix_grpo: the sliding SDE window."
     )
     rollout_correction: Literal["off", "decoupled", "bypass"] = Field(
         "off",
@@ -276,12 +326,6 @@ class OptimizerConfig(_Section):
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     weight_decay: float = Field(1e-4, ge=0, description="Decoupled weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    grad_accumulation: int = Field(
-        1,
-        ge=1,
-        description="Chunks each minibatch goes through the model in, their gradients summed "
-        "before the optimizer step (less activation memory, the same step).",
-    )
     ema_decay: float = Field(
         0.0,
         ge=0,
@@ -372,9 +416,10 @@ class Recipe(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
 
     def is_omni(self) -> bool:
-        """The autoregressive (omni thinker) path: `model.tiny: qwen3_omni_thinker` or a token
-        loss (`algorithm.name: gspo|grpo`); it runs `omni_train.omni_loop.OmniTrainer`."""
-        return self.model.tiny in OMNI_FAMILIES or self.algorithm.name in OMNI_LOSSES
+        """The autoregressive (omni thinker) path: `model.tiny: qwen3_omni_thinker` or an
+        omni algorithm (gspo, grpo); it runs `omni_train.loops.OmniLoop`."""
+        row = ALGORITHMS.get(self.algorithm.name)
+        return self.model.tiny in OMNI_FAMILIES or (row is not None and row.model == "omni")
 
     def output_dir(self) -> Path:
         """The run folder: `trainer.output_dir` or `runs/<experiment>`."""
@@ -402,8 +447,11 @@ class Recipe(_Section):
         return SamplingParams(**fields)
 
     def check(self) -> None:
-        """Cross-field checks that pydantic's per-field types cannot express."""
+        """Cross-field checks that pydantic's per-field types cannot express. What the
+        algorithm table (`omni_train.algorithms`) says a backend or mode does not run is
+        refused here, by key, so a recipe that validates runs."""
         problems: list[str] = []
+        a, t = self.algorithm, self.trainer
         if (self.reward.name is None) == (self.reward.terms is None):
             problems.append("reward: set exactly one of `reward.name` or `reward.terms`")
         sources = [k for k in ("prompts", "file", "task") if getattr(self.data, k) is not None]
@@ -413,52 +461,35 @@ class Recipe(_Section):
             )
         if len(sources) > 1:
             problems.append(f"data: set only one of {', '.join('data.' + k for k in sources)}")
-        if self.is_omni() and self.algorithm.name not in OMNI_LOSSES:
-            problems.append(
-                f"algorithm.name: the omni path (model.tiny {self.model.tiny}) trains with a "
-                f"token loss, one of {', '.join(OMNI_LOSSES)}; got {self.algorithm.name!r}"
-            )
+        row = ALGORITHMS.get(a.name)
+        if row is None:
+            problems.append(unknown_name("algorithm.name", "algorithm", a.name, ALGORITHMS))
+        else:
+            problems.extend(self._algorithm_problems(row))
         if self.reward.distill is not None and self.reward.name != "latent":
             problems.append("reward.distill: only for `reward.name: latent`")
         if not self.reward.inputs or len(set(self.reward.inputs)) != len(self.reward.inputs):
             problems.append(
                 f"reward.inputs: a non-empty list without repeats, got {self.reward.inputs}"
             )
-        if self.algorithm.rollout_correction != "off" and self.trainer.backend != "local":
+        if "audio" in self.reward.inputs and t.backend != "local":
             problems.append(
-                "algorithm.rollout_correction: runs with trainer.backend local (the async "
-                "mode corrects stale samples with trainer.async_correction)"
+                "reward.inputs: audio is decoded by the local backend only (trainer.backend "
+                f"{t.backend} would not give the reward a waveform); use trainer.backend local"
             )
-        if self.trainer.backend == "ray":
-            # what the Ray workers do not carry yet: say so rather than drop it silently
-            if list(self.reward.inputs) != ["media"]:
+        if self.optimizer.ema_decay > 0:
+            if not self.lora.enabled:
+                problems.append("optimizer.ema_decay > 0 needs lora.enabled (EMA of the LoRA)")
+            if t.backend != "local" or t.mode != "sync":
                 problems.append(
-                    f"reward.inputs: trainer.backend ray scores decoded media only for now, got "
-                    f"{self.reward.inputs}; use trainer.backend local"
+                    "optimizer.ema_decay: EMA weights run with trainer.backend local and "
+                    "trainer.mode sync (the EMA lives on the trainer's module)"
                 )
-            if self.reward.distill is not None:
-                problems.append("reward.distill: fit the latent scorer with trainer.backend local")
-            if self.optimizer.grad_accumulation > 1:
-                problems.append(
-                    "optimizer.grad_accumulation: trainer.backend ray splits minibatches over its "
-                    "workers instead; use algorithm.num_minibatches"
-                )
-        if self.algorithm.name in FORWARD_PROCESS_LOSSES:
-            if self.trainer.backend != "local" or self.trainer.mode != "sync":
-                problems.append(
-                    f"algorithm.name: {self.algorithm.name} runs with trainer.backend local and "
-                    "trainer.mode sync (the ray and async loops replay SDE steps)"
-                )
-            if self.optimizer.grad_accumulation > 1:
-                problems.append(
-                    f"optimizer.grad_accumulation: {self.algorithm.name} takes whole "
-                    "minibatches for now; use algorithm.num_minibatches to shrink them"
-                )
-            if self.algorithm.name == "diffusion_dpo" and not self.lora.enabled:
-                problems.append(
-                    "algorithm.name: diffusion_dpo needs lora.enabled (its reference is the base "
-                    "model with the LoRA off)"
-                )
+        if a.kl_beta > 0 and not self.lora.enabled:
+            problems.append(
+                "algorithm.kl_beta > 0 needs lora.enabled: the KL reference is the base model "
+                "with the LoRA adapters disabled"
+            )
         if self.data.task is not None and not self.is_omni():
             problems.append(
                 "data.task: generated tasks are for the omni path (algorithm gspo/grpo)"
@@ -471,13 +502,60 @@ class Recipe(_Section):
             msg = str(exc).replace("SamplingParams.", "rollout.")
             problems.append(msg)
         batch = self.data.prompts_per_step * self.rollout.n
-        if batch % self.algorithm.num_minibatches:
+        if batch % a.num_minibatches:
             problems.append(
-                f"algorithm.num_minibatches: {self.algorithm.num_minibatches} does not divide "
+                f"algorithm.num_minibatches: {a.num_minibatches} does not divide "
                 f"the batch of data.prompts_per_step * rollout.n = {batch}"
             )
         if problems:
             raise RecipeError("invalid recipe:\n  " + "\n  ".join(problems))
+
+    def _algorithm_problems(self, row: Any) -> list[str]:
+        """What the algorithm's table row says this recipe cannot run."""
+        out = []
+        a, t = self.algorithm, self.trainer
+        tiny = self.model.tiny
+        if tiny in OMNI_FAMILIES and row.model != "omni":
+            out.append(
+                f"algorithm.name: the omni path (model.tiny {tiny}) trains with a "
+                f"token algorithm (gspo, grpo); got {a.name!r}"
+            )
+        if tiny is not None and tiny not in OMNI_FAMILIES and row.model == "omni":
+            out.append(
+                f"algorithm.name: {a.name} trains autoregressive (omni) models; model.tiny "
+                f"{tiny} is a diffusion model (use flow_grpo, diffusion_nft, ...)"
+            )
+        if row.model == "omni" and self.data.prompts is not None:
+            out.append(
+                "data.prompts: the omni path needs reference answers; use `data.file` (JSONL "
+                "rows with prompt, answer, image) or `data.task`"
+            )
+        if t.backend not in row.backends:
+            out.append(
+                f"trainer.backend: {a.name} runs on {', '.join(row.backends)}, not {t.backend!r}"
+            )
+        if t.mode not in row.modes:
+            out.append(
+                f"trainer.mode: {a.name} runs in mode {', '.join(row.modes)}, not {t.mode!r}"
+            )
+        if row.kind == "sde_replay" and self.rollout.sde_kind not in row.sde_kinds:
+            out.append(
+                f"rollout.sde_kind: {a.name} is defined for the SDE kinds "
+                f"{', '.join(row.sde_kinds)}, got {self.rollout.sde_kind!r}"
+            )
+        if a.rollout_correction != "off" and not row.takes_weights:
+            out.append(f"algorithm.rollout_correction: {a.name}'s loss takes no per-sample weights")
+        if row.kind == "forward_process" and a.name == "diffusion_dpo" and not self.lora.enabled:
+            out.append(
+                "algorithm.name: diffusion_dpo needs lora.enabled (its reference is the base "
+                "model with the LoRA off)"
+            )
+        if row.kind == "forward_process" and a.kl_beta > 0:
+            out.append(
+                f"algorithm.kl_beta: {a.name} has its own reference term "
+                "(diffusion_nft: algorithm.options.kl_weight; diffusion_dpo: options.beta)"
+            )
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,7 +642,9 @@ def format_validation_error(err: ValidationError, source: str = "recipe") -> str
     for e in err.errors():
         loc = tuple(e["loc"])
         key = _fmt_loc(loc)
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and key in RENAMED_KEYS:
+            msg = f"'{key}' was renamed: use {RENAMED_KEYS[key]}"
+        elif e["type"] == "extra_forbidden":
             hint = suggest(loc)
             msg = f"unknown key '{key}'"
             if hint:

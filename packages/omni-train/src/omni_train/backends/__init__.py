@@ -1,53 +1,45 @@
-"""Scale-out backends: `ray` (Ray actors + FSDP2, sync or async) and `verl` (the omni path).
+"""Backends: where the ports of a run live (`omni_train.ports`).
 
-`run_backend(recipe, run_dir)` is what `omni_train.trainer.train` calls when
-`trainer.backend != "local"`. `BACKENDS` is the registry (a dict: name -> entry point).
-Ray and verl are optional extras and imported only when their backend runs.
+`BACKENDS` maps `trainer.backend` to a function that builds a run's `Ports`: ``local`` (one
+process) and ``ray`` (Ray actors, FSDP2). ``verl`` is different: it hands the whole omni run to
+verl's PPO trainer (`omni_train.backends.verl_backend.run_verl`). Ray and verl are optional
+extras, imported only when their backend runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 from ..errors import TrainError
+from ..ports import Ports
 from ..recipe import Recipe
 
-__all__ = ["BACKENDS", "register_backend", "run_backend"]
-
-Entry = Callable[[Recipe, "str | Path | None"], list[dict[str, Any]]]
+__all__ = ["BACKENDS", "make_ports", "register_backend"]
 
 
-def _ray(recipe: Recipe, run_dir: str | Path | None) -> list[dict[str, Any]]:
-    try:
-        import ray  # noqa: F401
-    except ModuleNotFoundError:
-        raise TrainError(
-            "trainer.backend: 'ray' needs Ray: pip install 'omni-train[ray]'"
-        ) from None
-    from .ray_backend import train_ray
+def _local(recipe: Recipe) -> Ports:
+    from .local import make_local_ports
 
-    return train_ray(recipe, run_dir)
+    return make_local_ports(recipe)
 
 
-def _verl(recipe: Recipe, run_dir: str | Path | None) -> list[dict[str, Any]]:
-    from .verl_backend import run_verl
+def _ray(recipe: Recipe) -> Ports:
+    from .ray import make_ray_ports
 
-    return run_verl(recipe, run_dir)
-
-
-BACKENDS: dict[str, Entry] = {"ray": _ray, "verl": _verl}
+    return make_ray_ports(recipe)
 
 
-def register_backend(name: str, entry: Entry) -> None:
+BACKENDS: dict[str, Callable[[Recipe], Ports]] = {"local": _local, "ray": _ray}
+
+
+def register_backend(name: str, make: Callable[[Recipe], Ports]) -> None:
     """Add a backend (`trainer.backend: name` must also be allowed by the recipe schema)."""
-    BACKENDS[name] = entry
+    BACKENDS[name] = make
 
 
-def run_backend(recipe: Recipe, run_dir: str | Path | None = None) -> list[dict[str, Any]]:
-    """Run `recipe` on `recipe.trainer.backend`; returns the per-step metric rows."""
+def make_ports(recipe: Recipe) -> Ports:
+    """The ports of `recipe.trainer.backend` for one run."""
     name = recipe.trainer.backend
     if name not in BACKENDS:
         raise TrainError(f"trainer.backend: unknown backend {name!r}; known: {sorted(BACKENDS)}")
-    return BACKENDS[name](recipe, run_dir)
+    return BACKENDS[name](recipe)

@@ -475,7 +475,7 @@ def export_thinker(recipe: Recipe, out: Path) -> str:
     thinker with its processor as a plain HF folder verl can load."""
     from omni_adapters import from_pretrained
 
-    from ..trainer import ensure_model
+    from ..models import ensure_model
 
     path = ensure_model(recipe)
     adapter = from_pretrained(path, stage="thinker", dtype=recipe.model.dtype, device="cpu")

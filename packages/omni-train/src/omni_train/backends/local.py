@@ -1,0 +1,196 @@
+"""The local backend: the learner, the rollout and the reward in one process.
+
+In the synchronous loop the rollout engine samples with the learner's own module (a weight
+sync only bumps the version). With `trainer.mode: async` the rollout of step k+1 runs while
+step k trains, so the engine gets its own copy of the policy and each sync loads the new
+weights into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..algorithms import algorithm
+from ..errors import TrainError
+from ..models import build_optimizer, load_policy, load_trainable, quiet_libraries
+from ..ports import Ports
+from ..recipe import Recipe, RecipeError
+from ..rewards import build_reward
+from ..updates import (
+    LocalCollective,
+    UpdateContext,
+    UpdateSettings,
+    batch_rows,
+    run_update,
+    select_rows,
+    update_plans,
+)
+
+__all__ = ["LocalLearner", "ThinkerRollout", "make_local_ports"]
+
+
+class LocalLearner:
+    """The policy and its AdamW in this process; updates run on one rank."""
+
+    world_size = 1
+
+    def __init__(self, recipe: Recipe, adapter: Any, allowed_tokens: list[int] | None = None):
+        self.recipe = recipe
+        self.adapter = adapter
+        self.params_named = adapter.named_trainable_parameters()
+        self.optimizer = build_optimizer(list(self.params_named.values()), recipe)
+        self.ctx = UpdateContext(
+            adapter,
+            self.optimizer,
+            list(self.params_named.values()),
+            algorithm(recipe.algorithm.name),
+            UpdateSettings.from_recipe(recipe, allowed_tokens),
+            LocalCollective(),
+        )
+
+    def update(self, batch: Any, step: int, correction: str | None = None) -> dict[str, float]:
+        (plan,) = update_plans(self.recipe, batch, step, world_size=1)
+        if plan.rows != list(range(batch_rows(batch))):  # rows no minibatch uses are left out
+            batch = select_rows(batch, plan.rows)
+        return run_update(self.ctx, batch, plan, correction=correction)
+
+    def rollout_weights(self) -> dict[str, Tensor]:
+        return self.adapter.export_rollout_weights()
+
+    def lora_export(self) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
+        if not self.recipe.lora.enabled:
+            return None
+        return self.adapter.export_rollout_weights(fmt="peft"), self.adapter.lora_config()
+
+    def state(self) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
+        out = {k: p.detach() for k, p in self.params_named.items()}
+        if self.recipe.optimizer.ema_decay > 0:
+            out.update(
+                {f"ema/{k}": v.detach() for k, v in self.adapter.adapter_state("ema").items()}
+            )
+        return out, self.optimizer.state_dict()
+
+    def load_state(self, trainable: dict[str, Tensor], optimizer: dict[str, Any] | None) -> None:
+        load_trainable(self.adapter, self.params_named, trainable, self.recipe)
+        if optimizer is not None:
+            self.optimizer.load_state_dict(optimizer)
+
+    @contextlib.contextmanager
+    def eval_weights(self) -> Iterator[None]:
+        if self.recipe.optimizer.ema_decay > 0:
+            with self.adapter.use_adapter("ema"):
+                yield
+        else:
+            yield
+
+    def close(self) -> None:
+        pass
+
+
+class ThinkerRollout:
+    """Sampling from a thinker adapter in chunks of `rollout.max_num_seqs`, padded to
+    `rollout.max_new_tokens`, with the constrained-decoding ids of `rollout.allowed_tokens`."""
+
+    def __init__(self, adapter: Any, recipe: Recipe, allowed_tokens: list[int] | None) -> None:
+        self.adapter = adapter
+        self.recipe = recipe
+        self.allowed_tokens = allowed_tokens
+        self.version = 0
+
+    def generate(
+        self, items: list[Any], seeds: list[int], *, temperature: float, top_p: float
+    ) -> dict[str, Any]:
+        r = self.recipe.rollout
+        t_max = r.max_new_tokens
+        toks, lps, masks, texts = [], [], [], []
+        forwards = 0
+        temp_out = 1.0
+        with torch.no_grad():
+            for s in range(0, len(items), r.max_num_seqs):
+                chunk = items[s : s + r.max_num_seqs]
+                images = [it.image for it in chunk if it.image is not None]
+                batch = self.adapter.build_batch(
+                    [it.content() for it in chunk], images=images or None
+                )
+                out = self.adapter.generate(
+                    batch,
+                    max_new_tokens=t_max,
+                    temperature=temperature,
+                    top_p=top_p,
+                    seed=seeds[s : s + len(chunk)],
+                    allowed_tokens=self.allowed_tokens,
+                )
+                temp_out = float(out.get("temperature", temperature or 1.0))
+                pad = t_max - out["tokens"].shape[1]
+                toks.append(torch.nn.functional.pad(out["tokens"], (0, pad)))
+                lps.append(torch.nn.functional.pad(out["log_probs"].float(), (0, pad)))
+                masks.append(torch.nn.functional.pad(out["mask"].bool(), (0, pad)))
+                texts.extend(out["texts"])
+                forwards += out["tokens"].shape[1]
+        return {
+            "tokens": torch.cat(toks),
+            "log_probs": torch.cat(lps),
+            "mask": torch.cat(masks),
+            "texts": texts,
+            "temperature": temp_out,
+            "forwards": forwards,
+        }
+
+    def update_weights(self, tensors: dict[str, Tensor], version: int) -> None:
+        """Sampling runs on the trained module itself here: a sync is a version bump."""
+        self.version = version
+
+
+def allowed_token_ids(adapter: Any, recipe: Recipe) -> list[int] | None:
+    """`rollout.allowed_tokens` as the thinker's token ids (None: unconstrained)."""
+    if not recipe.rollout.allowed_tokens:
+        return None
+    try:
+        return adapter.allowed_token_ids(recipe.rollout.allowed_tokens)
+    except ValueError as exc:
+        msg = str(exc).removeprefix("allowed_tokens: ")
+        raise RecipeError(f"rollout.allowed_tokens: {msg}") from None
+
+
+def make_local_ports(recipe: Recipe) -> Ports:
+    """Learner, rollout and reward of `trainer.backend: local`."""
+    r = recipe
+    if r.trainer.threads:
+        torch.set_num_threads(r.trainer.threads)
+    quiet_libraries()
+    adapter = load_policy(r)
+    alg = algorithm(r.algorithm.name)
+    if alg.model == "omni":
+        from omni_adapters.thinker import ThinkerAdapter
+
+        if not isinstance(adapter, ThinkerAdapter):
+            raise TrainError(
+                f"model.path: {r.model.path} is a {type(adapter).__name__}, not an "
+                f"autoregressive (thinker) model; {alg.name} trains omni models such as Qwen3-Omni"
+            )
+        allowed = allowed_token_ids(adapter, r)
+        learner = LocalLearner(r, adapter, allowed)
+        return Ports(learner, ThinkerRollout(adapter, r, allowed), lambda: build_reward(r))
+
+    from diffusion_rollout import EmbeddedEngine
+
+    learner = LocalLearner(r, adapter)
+    rollout_adapter = adapter
+    if r.trainer.mode == "async":  # the rollout of step k+1 overlaps the update of step k
+        rollout_adapter = copy.deepcopy(adapter)
+        rollout_adapter.set_trainable("frozen")
+    engine = EmbeddedEngine(rollout_adapter, max_num_seqs=r.rollout.max_num_seqs)
+    return Ports(
+        learner,
+        engine,
+        lambda: build_reward(r),
+        decode_av=getattr(adapter, "decode_av", None),
+        needs_images=bool(getattr(adapter, "needs_images", False)),
+        closers=[engine.close],
+    )

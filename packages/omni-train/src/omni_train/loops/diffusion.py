@@ -1,0 +1,402 @@
+"""The diffusion training loop, top to bottom, for every backend.
+
+One step (FlowGRPO: Liu et al. 2025, arXiv 2505.05470; the other algorithms of
+`omni_train.algorithms` change only step 4):
+
+1. Rollout. P prompts (`data.prompts_per_step`), each repeated `rollout.n` times under one
+   group id; sample i of step s gets the seed `sample_seed(run_seed, s, i)` and one
+   `RolloutRequest`. The rollout port returns one `Trajectory` per request: the latents of its
+   SDE window, their log-probs, sigmas, the final latent and (when asked) decoded media.
+   With `trainer.mode: async` the rollout of step s+1 already ran during step s's update.
+2. Reward. The reward scores what `reward.inputs` names: decoded media, final latents, or
+   the waveform of a video+audio model.
+3. Advantages. Group-relative (`omni_algos.advantages.group_advantages`), clipped to
+   +-`algorithm.adv_clip_max`.
+4. Update. The algorithm's update step (`omni_train.updates`) on the learner: the SDE replay,
+   or the forward-process losses on the re-noised final latents.
+5. Weight sync. The learner's rollout weights go to the rollout as version s + 1.
+6. Record. One metrics row; sample grids, validation and checkpoints at their cadence.
+
+The backends (`omni_train.backends`) differ only in the ports they hand this loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..algorithms import algorithm
+from ..data import PromptData
+from ..errors import NonFiniteError, TrainError
+from ..latent_scorer import ensure_latent_scorer
+from ..plots import save_frame_strip, save_sample_grid, save_waveform_plot
+from ..ports import Ports
+from ..recipe import Recipe
+from ..seeds import DOMAIN_VAL, derive_seed, sample_seed
+from ..updates import forward_draws, pair_batch, replay_batch, sample_batch
+from .run import RunFolder, sample_due, save_due, val_due
+from .schedule import PrefetchRollout, SyncRollout, staleness_stats
+
+__all__ = ["DiffusionLoop", "media_fields", "still_frames"]
+
+
+def media_fields(media: np.ndarray) -> dict[str, np.ndarray]:
+    """uint8 media as `RewardInput` fields: (B, H, W, 3) images or (B, F, H, W, 3) videos."""
+    return {"videos": media} if media.ndim == 5 else {"images": media}
+
+
+def still_frames(media: np.ndarray) -> np.ndarray:
+    """One picture per sample for the grids: the image, or a video's middle frame."""
+    return media[:, media.shape[1] // 2] if media.ndim == 5 else media
+
+
+def _stack(trajs: list[Any], attr: str) -> torch.Tensor:
+    return torch.stack([getattr(t, attr) for t in trajs])
+
+
+class DiffusionLoop:
+    """Trains a diffusion model with the ports of `trainer.backend` (see the module docstring)."""
+
+    def __init__(self, recipe: Recipe, ports: Ports, run_dir: str | Path | None = None) -> None:
+        self.recipe = recipe
+        self.ports = ports
+        self.run_dir = Path(run_dir) if run_dir is not None else recipe.output_dir()
+        self.algorithm = algorithm(recipe.algorithm.name)
+        self.learner = ports.learner
+        self.data = PromptData.from_config(recipe.data, recipe.trainer.seed)
+        if ports.needs_images:
+            why = self.data.missing_image()
+            if why is not None:
+                raise TrainError(
+                    "data.file: the model is image-conditioned and needs a source image per "
+                    f"row; {why}"
+                )
+        inputs = recipe.reward.inputs
+        if "audio" in inputs and ports.decode_av is None:
+            raise TrainError(
+                "reward.inputs: audio needs a video+audio model (ltx2) on a backend that can "
+                "decode its waveform (trainer.backend local)"
+            )
+        # the training rollout decodes only when the reward reads pixels (audio: decoded here)
+        self.decode = "media" in inputs and "audio" not in inputs
+        self.version = 0
+        self.params = recipe.sampling_params()
+        # `reward.distill`: the latent reward model is fitted before the reward loads it
+        ensure_latent_scorer(recipe, ports.rollout, self.params, self.data.prompts)
+        self.reward = ports.make_reward()
+
+    # ------------------------------------------------------------------ 1. rollout requests
+    def sampling_params(self, step: int, pixels: bool) -> Any:
+        """The step's `SamplingParams`: MixGRPO places the one shared SDE window of the step
+        (`omni_algos.sde.mix_grpo_window`); ``pixels`` asks the rollout to decode."""
+        from omni_algos.sde import mix_grpo_window
+
+        r = self.recipe.rollout
+        change: dict[str, Any] = {"output": "both" if pixels else "latent"}
+        if self.algorithm.window == "mix_grpo":
+            m = self.recipe.algorithm.mix_window
+            start, end = mix_grpo_window(
+                step,
+                r.num_steps,
+                r.sde_window_size,
+                placement=m.placement,
+                seed=self.recipe.trainer.seed,
+                shift_interval=m.shift_interval,
+                stride=m.stride,
+                low=r.sde_window_range[0],
+                high=r.sde_window_range[1],
+            )
+            change.update(sde_window_range=(start, end), ode_stride_after_window=m.ode_stride)
+        return self.params.replace(**change)
+
+    def requests_for(self, step: int) -> list[Any]:
+        """Step's requests: a pure function of (run seed, step)."""
+        from diffusion_rollout import RolloutRequest
+
+        r = self.recipe
+        params = self.sampling_params(step, pixels=self.decode or sample_due(self.recipe, step))
+        prompts = self.data.prompts_for_step(step)
+        images: list[Any] = [None] * len(prompts)
+        if self.ports.needs_images:
+            images = self.data.images_for_step(step)
+        reqs = []
+        for prompt, image in zip(prompts, images):
+            for _ in range(r.rollout.n):
+                i = len(reqs)
+                reqs.append(
+                    RolloutRequest(
+                        prompt=prompt,
+                        seed=sample_seed(r.trainer.seed, step, i),
+                        params=params,
+                        request_id=f"s{step}-{i}",
+                        image=image,
+                    )
+                )
+        return reqs
+
+    # ------------------------------------------------------------------ 2. reward
+    def reward_input(
+        self, trajs: list[Any], pixels: bool = False
+    ) -> tuple[Any, np.ndarray | None, np.ndarray | None]:
+        """What the reward sees of a batch (`reward.inputs`): decoded media, the clean final
+        latents, the waveform. Returns `(RewardInput, media or None, waveforms or None)`;
+        media is (B, H, W, 3) or (B, F, H, W, 3) uint8."""
+        from omni_rewards import RewardInput
+
+        inputs = self.recipe.reward.inputs
+        fields: dict[str, Any] = {"prompts": [t.prompt for t in trajs]}
+        media = waves = None
+        if "audio" in inputs:  # video+audio: frames and waveform from one decode
+            assert self.ports.decode_av is not None
+            with torch.no_grad():
+                av = self.ports.decode_av(_stack(trajs, "final_latent"), trajs[0].params)
+            media = av["frames"].cpu().numpy()
+            waves = av["waveform"].float().cpu().numpy()
+            fields.update(audio=waves, sample_rate=int(av["sample_rate"]))
+        elif trajs[0].media is not None:
+            media = _stack(trajs, "media").numpy()
+        if "media" in inputs:
+            if media is None:
+                raise TrainError("rollout: the reward reads media but the rollout decoded none")
+            fields.update(media_fields(media))
+        if "latents" in inputs:
+            fields["latents"] = _stack(trajs, "final_latent").float().numpy()
+        return RewardInput(**fields), media, waves
+
+    def score(self, trajs: list[Any], step: int) -> tuple[np.ndarray, dict[str, np.ndarray], Any]:
+        """Rewards (float64), per-sample numeric details, and the media for grids."""
+        from omni_rewards import RewardError
+
+        inp, media, _ = self.reward_input(trajs)
+        try:
+            out = self.reward(inp)
+        except RewardError as exc:
+            if "non-finite" in str(exc):
+                path = self.save_bad_samples(trajs, media, step, None, "reward")
+                raise NonFiniteError(
+                    f"step {step}: non-finite reward ({exc}); samples saved to {path}"
+                ) from None
+            raise TrainError(f"step {step}: reward failed: {exc}") from None
+        scores = np.asarray(out.scores, dtype=np.float64)
+        bad = ~np.isfinite(scores)
+        if bad.any():
+            path = self.save_bad_samples(trajs, media, step, scores, "reward")
+            raise NonFiniteError(
+                f"step {step}: reward is NaN/inf for {int(bad.sum())} of {len(scores)} samples "
+                f"(indices {np.flatnonzero(bad)[:8].tolist()}); samples saved to {path}"
+            )
+        details = {}
+        for k, v in (out.details or {}).items():
+            arr = np.asarray(v)
+            if arr.ndim == 1 and np.issubdtype(arr.dtype, np.number) and arr.shape == scores.shape:
+                details[k] = arr
+        return scores, details, media
+
+    def save_bad_samples(
+        self, trajs: list[Any], media: Any, step: int, scores: np.ndarray | None, what: str
+    ) -> Path:
+        """The step's images and a JSON of prompts/seeds/rewards under nonfinite/step_XXXX."""
+        out = self.run_dir / "nonfinite" / f"step_{step:04d}"
+        out.mkdir(parents=True, exist_ok=True)
+        if media is not None:
+            save_sample_grid(still_frames(media), out / "samples.png", cols=self.recipe.rollout.n)
+        rows = []
+        for i, t in enumerate(trajs):
+            v = None if scores is None else float(scores[i])
+            rows.append(
+                {
+                    "index": i,
+                    "prompt": t.prompt,
+                    "seed": t.seed,
+                    "reward": v if v is None or math.isfinite(v) else str(v),
+                }
+            )
+        (out / "samples.json").write_text(json.dumps({"what": what, "samples": rows}, indent=1))
+        return out
+
+    # ------------------------------------------------------------------ 3.-4. update batch
+    def update_batch(
+        self, trajs: list[Any], rewards: np.ndarray, step: int
+    ) -> tuple[Any, dict[str, float]]:
+        """The algorithm's update batch (`omni_train.updates`) and metrics about it."""
+        from omni_algos.advantages import group_advantages
+        from omni_algos.losses import pair_by_reward
+
+        a = self.recipe.algorithm
+        seed = self.recipe.trainer.seed
+        # requests go prompt by prompt, n samples each: sample i belongs to group i // n
+        group_ids = torch.arange(len(trajs)) // self.recipe.rollout.n
+        rw = torch.as_tensor(rewards, dtype=torch.float32)
+        if self.algorithm.pairs:  # online DPO: best vs worst of each prompt group
+            win, lose = pair_by_reward(rewards, group_ids)
+            if len(win) == 0:
+                return None, {"actor/pairs": 0.0}
+            shape = (len(win), *trajs[0].final_latent.shape)
+            draws = forward_draws(seed, step, a.train_timesteps, shape, a.timestep_range)
+            gap = float((rw[win] - rw[lose]).double().mean())
+            info = {"actor/pairs": float(len(win)), "actor/pair_reward_gap": gap}
+            return pair_batch(trajs, win, lose, draws), info
+        adv = group_advantages(rw, group_ids, std=a.adv_std)
+        info = {"actor/adv_abs_mean": float(adv.abs().mean())}
+        if self.algorithm.kind == "forward_process":  # NFT clips inside its loss
+            shape = (len(trajs), *trajs[0].final_latent.shape)
+            draws = forward_draws(seed, step, a.train_timesteps, shape, a.timestep_range)
+            return sample_batch(trajs, adv, draws), info
+        adv = adv.clamp(-a.adv_clip_max, a.adv_clip_max)
+        return replay_batch(trajs, adv), info
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, step: int) -> dict[str, float]:
+        """Deterministic ODE sampling (noise 0) of the validation prompts."""
+        from diffusion_rollout import RolloutRequest
+
+        r = self.recipe
+        prompts = list(r.data.val_prompts or self.data.prompts[: r.data.prompts_per_step])
+        params = r.sampling_params(
+            sde_kind="ode",
+            noise_level=0.0,
+            num_steps=r.trainer.val_num_steps or r.rollout.num_steps,
+            sde_window_size=None,
+            sde_window_range=None,
+            output="both",
+        )
+        reqs = []
+        for pi, prompt in enumerate(prompts):
+            for k in range(r.trainer.val_samples_per_prompt):
+                reqs.append(
+                    RolloutRequest(
+                        prompt=prompt,
+                        seed=derive_seed(r.trainer.seed, 0, pi * 1000 + k, DOMAIN_VAL),
+                        params=params,
+                        request_id=f"val{step}-{len(reqs)}",
+                        image=self.data.val_image(pi) if self.ports.needs_images else None,
+                    )
+                )
+        with self.learner.eval_weights():
+            trajs = self.ports.rollout.generate_many(reqs)
+        inp, media, waves = self.reward_input(trajs)
+        out = self.reward(inp)
+        scores = np.asarray(out.scores, dtype=np.float64)
+        assert media is not None
+        if media.ndim == 5:  # video: the first sample's frames side by side
+            save_frame_strip(media[0], self.run_dir / "samples" / f"val_step_{step:04d}_frames.png")
+        if waves is not None:
+            save_waveform_plot(
+                waves[0],
+                int(inp.sample_rate),
+                self.run_dir / "samples" / f"val_step_{step:04d}_audio.png",
+            )
+        save_sample_grid(
+            still_frames(media),
+            self.run_dir / "samples" / f"val_step_{step:04d}.png",
+            cols=r.trainer.val_samples_per_prompt,
+            labels=[f"{s:.3f}" for s in scores],
+        )
+        return {"val/reward_mean": float(scores.mean()), "val/reward_std": float(scores.std())}
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, resume_from: str | Path | None = None) -> list[dict[str, Any]]:
+        r = self.recipe
+        t = r.trainer
+        self.run = RunFolder(r, self.run_dir, fresh=resume_from is None)
+        start = 0
+        if resume_from is not None:
+            start, self.version = self.run.restore(resume_from, self.learner)
+            self.ports.rollout.update_weights(self.learner.rollout_weights(), self.version)
+        if t.mode == "async":
+            rollout: Any = PrefetchRollout(
+                self.ports.rollout,
+                self.requests_for,
+                max_staleness=t.max_staleness,
+                total_steps=t.steps,
+                version=self.version,
+                next_step=start,
+            )
+        else:
+            rollout = SyncRollout(self.ports.rollout, self.requests_for, self.version)
+        rows: list[dict[str, Any]] = []
+        self.run.start(start)
+        try:
+            for step in range(start, t.steps):
+                rows.append(self.train_step(step, rollout))
+        finally:
+            rollout.close()
+            self.run.finish()
+        return rows
+
+    def train_step(self, step: int, rollout: Any) -> dict[str, Any]:
+        r = self.recipe
+        t0 = time.perf_counter()
+        trajs = rollout.collect(step)  # 1
+        t1 = time.perf_counter()
+        rewards, details, media = self.score(trajs, step)  # 2
+        t2 = time.perf_counter()
+        batch, info = self.update_batch(trajs, rewards, step)  # 3
+        versions = [int(tr.version) for tr in trajs]
+        stale = staleness_stats(self.version, versions) if r.trainer.mode == "async" else {}
+        correction = None
+        if r.algorithm.rollout_correction != "off":
+            correction = r.algorithm.rollout_correction
+        elif stale.get("async/staleness_max", 0) > 0:
+            correction = r.trainer.async_correction
+        metrics: dict[str, float] = {}
+        if batch is not None:
+            try:
+                metrics = self.learner.update(batch, step, correction)  # 4
+            except NonFiniteError as exc:
+                path = self.save_bad_samples(trajs, media, step, rewards, "loss")
+                raise NonFiniteError(f"step {step}: {exc}; samples saved to {path}") from None
+        self.version = step + 1
+        rollout.push_weights(self.learner.rollout_weights(), self.version)  # 5
+        t3 = time.perf_counter()
+        row: dict[str, Any] = {  # 6
+            "step": step,
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "reward/min": float(rewards.min()),
+            "reward/max": float(rewards.max()),
+        }
+        for k, v in details.items():
+            row[f"reward/{k}_mean"] = float(np.nanmean(v))
+        row.update(info)
+        row.update(metrics)
+        row.update(stale)
+        row["rollout/rows"] = len(trajs)
+        row["rollout/window_start"] = float(np.mean([tr.window[0] for tr in trajs]))
+        row["rollout/window_size"] = float(np.mean([tr.window_size for tr in trajs]))
+        row.update(rollout.stats)
+        row["rollout/version"] = min(versions)
+        row["weights/version"] = self.version
+        if sample_due(self.recipe, step) and media is not None:
+            path = save_sample_grid(
+                still_frames(media),
+                self.run_dir / "samples" / f"step_{step:04d}.png",
+                cols=r.rollout.n,
+                labels=[f"{s:.3f}" for s in rewards],
+            )
+            if self.run.logger.tb is not None or self.run.logger.wandb is not None:
+                from PIL import Image
+
+                self.run.logger.log_image("samples", np.asarray(Image.open(path)), step)
+        t4 = time.perf_counter()
+        if val_due(self.recipe, step):
+            row.update(self.validate(step))
+        t5 = time.perf_counter()
+        if save_due(self.recipe, step):
+            self.run.save(step + 1, self.learner, self.version, diffusers_lora=True)
+        t6 = time.perf_counter()
+        row["timing/rollout_s"] = t1 - t0
+        row["timing/reward_s"] = t2 - t1
+        row["timing/update_s"] = t3 - t2
+        row["timing/val_s"] = t5 - t4
+        row["timing/save_s"] = t6 - t5
+        row["timing/step_s"] = t6 - t0
+        row["perf/images_per_s"] = len(trajs) / max(t1 - t0, 1e-9)
+        self.run.log(row)
+        return row

@@ -1,0 +1,166 @@
+"""The run folder both loops write, and the cadence of its outputs.
+
+    <run>/recipe.yaml        the fully resolved recipe (what `omni-train resume` reads)
+    <run>/metrics.jsonl      one JSON object per step (+ TensorBoard / wandb when asked)
+    <run>/samples/           sample grids (`step_XXXX.png`) and validation grids
+    <run>/checkpoint/        `omni_train.checkpoint` folders, the learner's whole state
+    <run>/reward_curve.png   the reward (and validation) per step, redrawn at the end
+
+Step numbers: ``step`` counts from 0; the checkpoint written after step ``s`` is
+``step_{s+1}`` (the number of completed steps), the one a resume starts from.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..logger import MetricsLogger, console_line, open_logger
+from ..plots import plot_reward_curve, read_metrics
+from ..recipe import Recipe, dump_recipe
+
+__all__ = ["RUN_OUTPUTS", "RunFolder", "clear_run_dir", "sample_due", "save_due", "val_due"]
+
+#: files and folders a run writes; a fresh run in an existing folder removes these first
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "reward_curve.png",
+    "recipe.yaml",
+    "samples",
+    "checkpoint",
+    "tensorboard",
+    "nonfinite",
+)
+
+
+def sample_due(recipe: Recipe, step: int) -> bool:
+    """Does step `step` write a sample grid (`trainer.sample_every`, and the last step)?"""
+    t = recipe.trainer
+    return bool(t.sample_every) and (step % t.sample_every == 0 or step + 1 == t.steps)
+
+
+def val_due(recipe: Recipe, step: int) -> bool:
+    """Does step `step` end with validation (`trainer.val_every`, and the last step)?"""
+    t = recipe.trainer
+    return bool(t.val_every) and ((step + 1) % t.val_every == 0 or step + 1 == t.steps)
+
+
+def save_due(recipe: Recipe, step: int) -> bool:
+    """Does step `step` end with a checkpoint (`trainer.save_every`, and the last step)?"""
+    t = recipe.trainer
+    return (bool(t.save_every) and (step + 1) % t.save_every == 0) or step + 1 == t.steps
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """Remove a previous run's outputs (only the names in `RUN_OUTPUTS`)."""
+    for name in RUN_OUTPUTS:
+        p = run_dir / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+class RunFolder:
+    """A run's folder, logger, progress bar and checkpoints."""
+
+    def __init__(self, recipe: Recipe, run_dir: str | Path | None, *, fresh: bool) -> None:
+        self.recipe = recipe
+        self.path = Path(run_dir) if run_dir is not None else recipe.output_dir()
+        if fresh:
+            clear_run_dir(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "recipe.yaml").write_text(dump_recipe(recipe))
+        self.logger: MetricsLogger = open_logger(recipe, self.path)
+        self.bar: Any = None
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int, learner: Any, version: int, *, diffusers_lora: bool) -> Path:
+        """Checkpoint `step_{step}` (completed steps) with the learner's whole state, the LoRA
+        in peft's layout and, for diffusion models, diffusers' `pytorch_lora_weights`."""
+        trainable, optimizer = learner.state()
+        lora = learner.lora_export()
+        files: dict[str, bytes] = {}
+        if lora is not None and diffusers_lora:
+            from safetensors.torch import save as st_save
+
+            tensors, cfg = lora
+            # diffusers reads the LoRA config (rank, alpha, targets) from this metadata key
+            meta = {f"transformer.{k}": v for k, v in cfg.items()}
+            files["pytorch_lora_weights.safetensors"] = st_save(
+                {
+                    "transformer." + k.removeprefix("base_model.model."): v
+                    for k, v in tensors.items()
+                },
+                metadata={
+                    "format": "pt",
+                    "lora_adapter_metadata": json.dumps(meta, sort_keys=True),
+                },
+            )
+        return save_checkpoint(
+            self.path / "checkpoint",
+            step,
+            trainable,
+            optimizer,
+            state={
+                "version": version,
+                "experiment": self.recipe.experiment,
+                "backend": self.recipe.trainer.backend,
+            },
+            lora_tensors=None if lora is None else lora[0],
+            lora_config=None if lora is None else lora[1],
+            lora_files=files,
+            keep=self.recipe.trainer.keep_checkpoints,
+        )
+
+    def restore(self, checkpoint: str | Path, learner: Any) -> tuple[int, int]:
+        """Load a checkpoint into the learner and the RNGs; returns (step, weights version)
+        and drops metrics rows after that step (the resumed run writes them again)."""
+        ck = load_checkpoint(checkpoint)
+        learner.load_state(ck.trainable, ck.optimizer)
+        ck.restore_rng()
+        self.logger.truncate_after(ck.step - 1)
+        return ck.step, int(ck.state.get("version", ck.step))
+
+    # ------------------------------------------------------------------ progress and logs
+    def start(self, first_step: int) -> None:
+        from tqdm.auto import tqdm
+
+        t = self.recipe.trainer
+        self.bar = tqdm(
+            total=t.steps,
+            initial=first_step,
+            desc=self.recipe.experiment,
+            disable=not t.progress,
+            dynamic_ncols=True,
+        )
+
+    def log(self, row: dict[str, Any]) -> None:
+        """Append the step's row; advance the bar; a console line every `log_every` steps."""
+        t = self.recipe.trainer
+        self.logger.log(row)
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{row['reward/mean']:.4f}")
+        step = int(row["step"])
+        if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
+            msg = console_line(row, t.steps)
+            if t.progress:
+                self.bar.write(msg)
+            else:
+                print(msg, flush=True)
+
+    def finish(self, val_label: str = "val reward") -> None:
+        if self.bar is not None:
+            self.bar.close()
+        rows = read_metrics(self.logger.path)
+        if rows:
+            plot_reward_curve(
+                rows,
+                self.path / "reward_curve.png",
+                title=self.recipe.experiment,
+                val_label=val_label,
+            )
+        self.logger.close()

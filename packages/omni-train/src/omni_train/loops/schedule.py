@@ -1,0 +1,138 @@
+"""When each step's rollout runs: now (`trainer.mode: sync`) or ahead of time (`async`).
+
+Both wrap any diffusion rollout port (`generate_many` / `update_weights` / `stats`: the
+embedded engine, the Ray pool, an HTTP client) and give the loop one interface:
+``collect(step)`` returns step's trajectories, ``push_weights(tensors, version)`` hands the
+rollout a new policy.
+
+Versions: the policy after the update of step k is version k + 1, so step j is trained by
+version j. `PrefetchRollout` launches the rollout of step j as soon as
+
+    j - (current policy version) <= max_staleness,
+
+so every sample's staleness (version at update minus the version it was sampled with) is at
+most `trainer.max_staleness` (0 is the synchronous schedule). With staleness 1 the rollout of
+step k+1 (on version k) runs while step k updates. A new version is loaded only after the
+rollouts in flight have finished, so a rollout never mixes two versions. Stale samples are
+off-policy: the loop weights them with `trainer.async_correction` (`omni_algos.correction`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import TrainError
+
+__all__ = ["PrefetchRollout", "SyncRollout", "launchable", "staleness_stats"]
+
+
+def launchable(next_step: int, version: int, max_staleness: int, total_steps: int) -> bool:
+    """May the rollout of `next_step` start now, with the policy at `version`?"""
+    return next_step < total_steps and next_step - version <= max_staleness
+
+
+def staleness_stats(policy_version: int, sample_versions: list[int]) -> dict[str, float]:
+    """Staleness (policy version at update minus each sample's rollout version)."""
+    s = [policy_version - v for v in sample_versions]
+    if any(x < 0 for x in s):
+        raise TrainError(f"async: samples from a future policy version ({sample_versions})")
+    return {"async/staleness_max": float(max(s)), "async/staleness_mean": sum(s) / len(s)}
+
+
+def _rollout(port: Any, requests: list[Any]) -> tuple[list[Any], dict[str, float]]:
+    """Roll out, and the engine's forward count / rows per forward for these requests."""
+    before = port.stats()
+    trajs = port.generate_many(requests)
+    after = port.stats()
+    forwards = after.get("forwards", 0) - before.get("forwards", 0)
+    rows = after.get("rows", 0) - before.get("rows", 0)
+    return trajs, {
+        "rollout/forwards": float(forwards),
+        "rollout/rows_per_forward": rows / max(forwards, 1),
+    }
+
+
+class SyncRollout:
+    """The rollout of step k runs when the loop asks for it."""
+
+    def __init__(self, port: Any, requests_for: Callable[[int], list[Any]], version: int = 0):
+        self.port = port
+        self.requests_for = requests_for
+        self.version = version
+        self.stats: dict[str, float] = {}
+
+    def collect(self, step: int) -> list[Any]:
+        trajs, self.stats = _rollout(self.port, self.requests_for(step))
+        return trajs
+
+    def push_weights(self, tensors: Any, version: int) -> None:
+        self.port.update_weights(tensors, version)
+        self.version = version
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _Launched:
+    future: concurrent.futures.Future
+    version: int
+
+
+class PrefetchRollout:
+    """Rollouts launched ahead of the update, within `max_staleness` (module docstring).
+
+    The rollouts run one at a time in one background thread, so the caller's thread stays
+    free for the update."""
+
+    def __init__(
+        self,
+        port: Any,
+        requests_for: Callable[[int], list[Any]],
+        *,
+        max_staleness: int,
+        total_steps: int,
+        version: int = 0,
+        next_step: int = 0,
+    ) -> None:
+        self.port = port
+        self.requests_for = requests_for
+        self.max_staleness = max_staleness
+        self.total_steps = total_steps
+        self.version = version
+        self.next_step = next_step
+        self.launched: dict[int, _Launched] = {}
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
+        self.stats: dict[str, float] = {}
+
+    def _launch_ready(self) -> None:
+        while launchable(self.next_step, self.version, self.max_staleness, self.total_steps):
+            requests = self.requests_for(self.next_step)
+            future = self.pool.submit(_rollout, self.port, requests)
+            self.launched[self.next_step] = _Launched(future, self.version)
+            self.next_step += 1
+
+    def collect(self, step: int) -> list[Any]:
+        if self.next_step <= step:  # e.g. after a resume
+            self.next_step = step
+        self._launch_ready()
+        item = self.launched.pop(step)
+        trajs, stats = item.future.result()
+        self.stats = {**stats, "async/in_flight": float(len(self.launched))}
+        return trajs
+
+    def push_weights(self, tensors: Any, version: int) -> None:
+        """Load `version` once the rollouts in flight are done, then launch what it allows."""
+        for item in self.launched.values():
+            item.future.result()
+        self.port.update_weights(tensors, version)
+        self.version = version
+        self._launch_ready()
+
+    def close(self) -> None:
+        for item in self.launched.values():
+            item.future.cancel()
+        self.pool.shutdown(wait=True)

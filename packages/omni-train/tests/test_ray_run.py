@@ -1,0 +1,97 @@
+"""The quickstart on trainer.backend ray, end to end through the CLI: validation, sample grids,
+checkpoints with the optimizer state, and a SIGKILLed run resumed (`omni-train resume`) on the
+backend it ran on ends with the metrics of the uninterrupted run.
+
+The runs connect to the test session's Ray cluster (RAY_ADDRESS), so killing a run's driver
+takes its actors with it and leaves the cluster for the next run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from omni_train.plots import read_metrics
+
+pytest.importorskip("ray")
+
+REPO = Path(__file__).resolve().parents[3]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+TIMING_PREFIXES = ("timing/", "perf/")
+
+OVERRIDES = [
+    "trainer.backend=ray",
+    "trainer.num_workers=2",
+    "trainer.steps=4",
+    "trainer.val_every=2",
+    "trainer.save_every=2",
+    "trainer.progress=false",
+    "trainer.threads=1",
+]
+
+
+def _det(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
+
+
+def _cli(args: list[str], ray_address: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_ADDRESS=ray_address)
+    return subprocess.Popen(
+        [sys.executable, "-m", "omni_train.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 1200) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # three CLI runs, each starting Python, torch and five Ray workers
+def test_quickstart_on_ray_validates_saves_and_resumes_after_sigkill(ray_session, tmp_path):
+    address = ray_session.get_runtime_context().gcs_address
+    full = tmp_path / "full"
+    _finish(_cli([str(QUICKSTART), *OVERRIDES, f"trainer.output_dir={full}"], address))
+    rows = read_metrics(full / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert "val/reward_mean" in rows[1] and "val/reward_mean" in rows[3]
+    assert (full / "samples" / "val_step_0001.png").is_file()
+    assert (full / "samples" / "step_0000.png").is_file()
+    ck = full / "checkpoint" / "step_0004"
+    state = json.loads((ck / "state.json").read_text())
+    assert state["backend"] == "ray" and state["version"] == 4
+    with safe_open(str(ck / "optimizer.safetensors"), "pt") as f:  # the gathered AdamW moments
+        names = f.keys()
+        assert any(k.endswith("exp_avg_sq") for k in names)
+
+    run = tmp_path / "killed"
+    proc = _cli([str(QUICKSTART), *OVERRIDES, f"trainer.output_dir={run}"], address)
+    deadline = time.monotonic() + 900
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (run / "checkpoint" / "step_0002" / "state.json").is_file():
+                break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    done = len(read_metrics(run / "metrics.jsonl"))
+    assert 2 <= done < 4, f"the run was not killed between steps 2 and 4 ({done} rows)"
+    _finish(_cli(["resume", str(run)], address))
+    resumed = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert _det(resumed) == _det(rows)
