@@ -1,10 +1,11 @@
 """Developer sessions for the omni-rl workspace.
 
-    uv run nox -s tests          every package's tests, in the workspace environment, then a
-                                 table of each package's time
+    uv run nox -s tests          every package's tests (and tests/, the repository's checks) in
+                                 the workspace environment, then a table of each one's time
+    uv run nox -s dockerfiles    docker/*: hadolint, and COPY/ADD sources exist in the repository
     uv run nox -s tests-omni-algos   one package's tests
     uv run nox -s lint           ruff check + ruff format --check
-    uv run nox -s contracts      DESIGN.md's import rules (import-linter, root pyproject)
+    uv run nox -s contracts      docs/architecture.md's import rules (import-linter, root pyproject)
     uv run nox -s standalone     each package's wheel alone in a fresh venv, its tests there
     uv run nox -s tests-verl     the verl backend's tests in the lock's verl environment
     uv run nox -s bench          the benchmark scripts (print measured ratios)
@@ -29,7 +30,7 @@ import nox
 from nox.command import CommandFailed
 
 ROOT = Path(__file__).parent
-nox.options.sessions = ["lint", "contracts", "tests"]
+nox.options.sessions = ["lint", "contracts", "dockerfiles", "tests"]
 nox.options.default_venv_backend = "uv"
 
 # Package folder -> (omni-* packages it depends on, extras its own tests need).
@@ -46,6 +47,11 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
         ["tensorboard", "ray", "wandb", "parquet", "test"],
     ),
 }
+
+
+# The repository-level checks (tests/: links in the docs, the Dockerfiles), a row of `tests`.
+REPOSITORY = "repository"
+DOCKERFILE_TESTS = "tests/test_dockerfiles.py"
 
 
 def _test_env() -> dict[str, str]:
@@ -86,7 +92,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def contracts(session: nox.Session) -> None:
-    """The import rules of DESIGN.md, as import-linter contracts in the root pyproject."""
+    """docs/architecture.md's import rules, as import-linter contracts in the root pyproject."""
     lint_imports = Path(sys.executable).parent / "lint-imports"
     session.run(str(lint_imports), "--no-cache", external=True)
 
@@ -149,14 +155,23 @@ def timing_table(rows: list[tuple[str, float, float, str]]) -> str:
 
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
-    """Every package's tests, one pytest run per package (as their standalone runs do), then a
-    table of each package's time. A failing package does not stop the others."""
+    """Every package's tests, one pytest run per package (as their standalone runs do), and the
+    repository's checks in tests/; then a table of each one's time. A failure does not stop the
+    rest."""
     _precompile(session)
-    _run_timed(
-        session,
-        list(PACKAGES),
-        lambda package: _pytest(session, sys.executable, package, *session.posargs),
-    )
+
+    def run(name: str) -> None:
+        target = "tests" if name == REPOSITORY else ""
+        _pytest(session, sys.executable, name, *session.posargs, target=target)
+
+    _run_timed(session, [*PACKAGES, REPOSITORY], run)
+
+
+@nox.session(venv_backend="none")
+def dockerfiles(session: nox.Session) -> None:
+    """docker/*.Dockerfile: hadolint, and every COPY/ADD source is a file of the repository
+    (tests/test_dockerfiles.py; no Docker engine needed)."""
+    _pytest(session, sys.executable, REPOSITORY, *session.posargs, target=DOCKERFILE_TESTS)
 
 
 for _package in PACKAGES:
