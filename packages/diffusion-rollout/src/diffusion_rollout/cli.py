@@ -1,10 +1,10 @@
 """``diffusion-rollout serve --model PATH --port N [--max-num-seqs K]``.
 
 Loads the denoiser with ``omni_adapters.from_pretrained(PATH)``. diffusion-rollout may not
-import omni_adapters (DESIGN.md's import rules, checked by import-linter), so the default
-loader imports it by name at run time inside :func:`_load_with_omni_adapters` only; install
-``omni-adapters`` next to this package to serve its models, or pass ``denoiser_factory``
-to :func:`main` / :func:`build_server` to serve any other `Denoiser`.
+import omni_adapters (docs/architecture.md's import rules, checked by import-linter), so the
+default loader imports it by name at run time inside :func:`_load_with_omni_adapters` only;
+install ``omni-adapters`` next to this package to serve its models, or pass
+``denoiser_factory`` to :func:`main` / :func:`build_server` to serve any other `Denoiser`.
 """
 
 from __future__ import annotations
