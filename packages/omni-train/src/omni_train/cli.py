@@ -73,7 +73,8 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
             usage=USAGE,
             # keeps the --version line whole (argparse wraps version text like a paragraph)
             formatter_class=argparse.RawDescriptionHelpFormatter,
-            description="RL post-training from a YAML recipe. Subcommands: validate, resume, report, prepare, recipes.",
+            description="RL post-training from a YAML recipe. "
+            "Subcommands: validate, resume, report, prepare, recipes.",
         )
         p.add_argument("recipe", help="path to a recipe YAML")
         p.add_argument("--version", action="version", version=version_text())

@@ -58,7 +58,8 @@ def _summary(recipe: dict[str, Any]) -> str:
         parts = [PurePosixPath(str(model.get("path", "?"))).name]
     parts.append(str((recipe.get("algorithm") or {}).get("name", "?")))
     reward = recipe.get("reward") or {}
-    names = [reward["name"]] if "name" in reward else [t.get("name") for t in reward.get("terms", [])]
+    terms = reward.get("terms") or []
+    names = [reward["name"]] if "name" in reward else [term.get("name") for term in terms]
     parts.append("reward " + " + ".join(map(str, names)))
     lora = recipe.get("lora") or {}
     parts.append(f"LoRA r{lora['rank']}" if lora.get("rank") else "full fine-tuning")
