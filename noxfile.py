@@ -1,9 +1,11 @@
 """Developer sessions for the omni-rl workspace.
 
-    uv run nox -s tests          every package's tests, in the workspace environment
+    uv run nox -s tests          every package's tests (and tests/, the repository's checks) in
+                                 the workspace environment, then a table of each one's time
+    uv run nox -s dockerfiles    docker/*: hadolint, and COPY/ADD sources exist in the repository
     uv run nox -s tests-omni-algos   one package's tests
     uv run nox -s lint           ruff check + ruff format --check
-    uv run nox -s contracts      DESIGN.md's import rules (import-linter, root pyproject)
+    uv run nox -s contracts      docs/architecture.md's import rules (import-linter, root pyproject)
     uv run nox -s standalone     each package's wheel alone in a fresh venv, its tests there
     uv run nox -s tests-verl     the verl backend's tests in the lock's verl environment
     uv run nox -s bench          the benchmark scripts (print measured ratios)
@@ -16,15 +18,19 @@ package with uv, which is what a user who runs `pip install <package>` gets.
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import sys
+import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 ROOT = Path(__file__).parent
-nox.options.sessions = ["lint", "contracts", "tests"]
+nox.options.sessions = ["lint", "contracts", "dockerfiles", "tests"]
 nox.options.default_venv_backend = "uv"
 
 # Package folder -> (omni-* packages it depends on, extras its own tests need).
@@ -43,11 +49,19 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
+# The repository-level checks (tests/: links in the docs, the Dockerfiles), a row of `tests`.
+REPOSITORY = "repository"
+DOCKERFILE_TESTS = "tests/test_dockerfiles.py"
+
+
 def _test_env() -> dict[str, str]:
     """Environment for test runs: a throwaway HOME (onnxruntime, matplotlib and the tiny-model
     cache write there) and no hub access, so nothing can try to download weights."""
     home = os.environ.get("OMNI_TEST_HOME") or tempfile.mkdtemp(prefix="omni-test-home-")
     env = {"HOME": home, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MPLBACKEND": "Agg"}
+    # The root conftest.py's hypothesis profile: derandomized, no example database, so a run
+    # never replays a failure stored by an earlier one and every run checks the same examples.
+    env["HYPOTHESIS_PROFILE"] = os.environ.get("HYPOTHESIS_PROFILE", "ci")
     # uv's cache stays where it was, so a changed HOME does not mean a fresh download.
     if "UV_CACHE_DIR" not in os.environ and shutil.which("uv"):
         env["UV_CACHE_DIR"] = str(Path(os.environ.get("HOME", "~")).expanduser() / ".cache" / "uv")
@@ -78,21 +92,92 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def contracts(session: nox.Session) -> None:
-    """The import rules of DESIGN.md, as import-linter contracts in the root pyproject."""
+    """docs/architecture.md's import rules, as import-linter contracts in the root pyproject."""
     lint_imports = Path(sys.executable).parent / "lint-imports"
     session.run(str(lint_imports), "--no-cache", external=True)
 
 
+def _precompile(session: nox.Session) -> None:
+    """Write the .pyc files of the workspace environment's installed packages once.
+
+    A test run starts many Python processes (pytest, CLIs, servers, Ray workers). Where Python
+    does not write bytecode at import (PYTHONDONTWRITEBYTECODE, a read-only site-packages) each
+    of them compiles torch, transformers and diffusers from source again: ~8 CPU-seconds per
+    process here. compileall skips files whose .pyc is current, so a second run costs ~2 s.
+    Exit code 1 means a few files did not compile (templates, other Python versions' code):
+    Python never imports those, so it is not an error."""
+    session.run(
+        sys.executable,
+        "-m",
+        "compileall",
+        "-q",
+        "-j",
+        "0",
+        sysconfig.get_path("purelib"),
+        success_codes=[0, 1],
+        external=True,
+        silent=True,
+    )
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _run_timed(session: nox.Session, packages: list[str], run) -> None:
+    """``run(package)`` for each package, all of them even when one fails; then a table of
+    each package's wall time, CPU time (user + sys of its processes: what a busy machine does
+    not inflate) and result; the session fails at the end if any package did."""
+    rows: list[tuple[str, float, float, str]] = []
+    for package in packages:
+        wall, cpu = time.monotonic(), _children_cpu_s()
+        try:
+            run(package)
+            result = "passed"
+        except CommandFailed:
+            result = "FAILED"
+        rows.append((package, time.monotonic() - wall, _children_cpu_s() - cpu, result))
+    print(timing_table(rows), flush=True)
+    failed = [name for name, *_, result in rows if result != "passed"]
+    if failed:
+        session.error(f"tests failed in {', '.join(failed)}")
+
+
+def timing_table(rows: list[tuple[str, float, float, str]]) -> str:
+    """A plain-text table: package, wall s, CPU s, result, and a total row."""
+    lines = [f"{'package':<20} {'wall s':>8} {'cpu s':>8}  result"]
+    lines += [f"{name:<20} {wall:>8.1f} {cpu:>8.1f}  {result}" for name, wall, cpu, result in rows]
+    total_wall, total_cpu = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    lines.append(f"{'total':<20} {total_wall:>8.1f} {total_cpu:>8.1f}")
+    return "\n".join(lines)
+
+
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
-    """Every package's tests, one pytest run per package (as their standalone runs do)."""
-    for package in PACKAGES:
-        _pytest(session, sys.executable, package, *session.posargs)
+    """Every package's tests, one pytest run per package (as their standalone runs do), and the
+    repository's checks in tests/; then a table of each one's time. A failure does not stop the
+    rest."""
+    _precompile(session)
+
+    def run(name: str) -> None:
+        target = "tests" if name == REPOSITORY else ""
+        _pytest(session, sys.executable, name, *session.posargs, target=target)
+
+    _run_timed(session, [*PACKAGES, REPOSITORY], run)
+
+
+@nox.session(venv_backend="none")
+def dockerfiles(session: nox.Session) -> None:
+    """docker/*.Dockerfile: hadolint, and every COPY/ADD source is a file of the repository
+    (tests/test_dockerfiles.py; no Docker engine needed)."""
+    _pytest(session, sys.executable, REPOSITORY, *session.posargs, target=DOCKERFILE_TESTS)
 
 
 for _package in PACKAGES:
 
     def _one_package(session: nox.Session, package: str = _package) -> None:
+        _precompile(session)
         _pytest(session, sys.executable, package, *session.posargs)
 
     _one_package.__doc__ = f"{_package}'s tests in the workspace environment."
@@ -118,7 +203,8 @@ def standalone(session: nox.Session) -> None:
             "-q",
             external=True,
         )
-    for package in packages:
+
+    def install_and_test(package: str) -> None:
         deps, extras = PACKAGES[package]
         venv = ROOT / ".nox" / f"standalone-{package}"
         shutil.rmtree(venv, ignore_errors=True)
@@ -133,6 +219,8 @@ def standalone(session: nox.Session) -> None:
         )
         # Run from a folder outside the repo's src/ trees: imports resolve to the wheel.
         _pytest(session, python, package)
+
+    _run_timed(session, packages, install_and_test)
 
 
 @nox.session(name="tests-verl", venv_backend="none")

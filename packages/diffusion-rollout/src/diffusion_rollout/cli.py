@@ -1,10 +1,10 @@
 """``diffusion-rollout serve --model PATH --port N [--max-num-seqs K]``.
 
 Loads the denoiser with ``omni_adapters.from_pretrained(PATH)``. diffusion-rollout may not
-import omni_adapters (DESIGN.md's import rules, checked by import-linter), so the default
-loader imports it by name at run time inside :func:`_load_with_omni_adapters` only; install
-``omni-adapters`` next to this package to serve its models, or pass ``denoiser_factory``
-to :func:`main` / :func:`build_server` to serve any other `Denoiser`.
+import omni_adapters (docs/architecture.md's import rules, checked by import-linter), so the
+default loader imports it by name at run time inside :func:`_load_with_omni_adapters` only;
+install ``omni-adapters`` next to this package to serve its models, or pass
+``denoiser_factory`` to :func:`main` / :func:`build_server` to serve any other `Denoiser`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from typing import Any
 
 from .engine import EmbeddedEngine
@@ -21,6 +22,10 @@ from .engine import EmbeddedEngine
 __all__ = ["build_parser", "build_server", "main"]
 
 TOKEN_ENV = "DIFFUSION_ROLLOUT_TOKEN"
+
+# The import names of the `server` extra's packages (pyproject's [server] list): a serve
+# without them prints the pip command instead of a traceback.
+SERVER_EXTRA_MODULES = ("starlette", "uvicorn", "httpx", "safetensors", "PIL")
 
 
 def _load_with_omni_adapters(path: str, device: str | None) -> Any:
@@ -43,6 +48,11 @@ def _load_with_omni_adapters(path: str, device: str | None) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diffusion-rollout", description="Request-batched diffusion rollout engine."
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {metadata.version('diffusion-rollout')}",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve an engine over HTTP")
@@ -98,9 +108,20 @@ def main(
     """Entry point of the ``diffusion-rollout`` command."""
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        import uvicorn
+        try:
+            import uvicorn
 
-        app, engine = build_server(args, denoiser_factory)
+            app, engine = build_server(args, denoiser_factory)
+        except ModuleNotFoundError as exc:
+            missing = (exc.name or "").split(".")[0]
+            if missing not in SERVER_EXTRA_MODULES:
+                raise
+            print(
+                f"diffusion-rollout: error: serve needs the python package {missing!r}, which "
+                "is not installed: pip install 'diffusion-rollout[server]'",
+                file=sys.stderr,
+            )
+            return 1
         if args.host not in ("127.0.0.1", "localhost", "::1") and not (
             args.token or os.environ.get(TOKEN_ENV)
         ):

@@ -2,6 +2,15 @@
 
 Every estimator takes ``rewards`` (B,) and ``group_ids`` (B,) (a tensor of ints or any list
 of hashables, e.g. prompts) and returns float32 advantages of shape (B,).
+
+The arithmetic runs in float64 on the CPU whatever the input's dtype and device, and only the
+result is rounded back. Why: in float32 the mean of a group of equal rewards such as
+``[1.8047759831677865] * 3`` is off by one ulp (~1e-7), and divided by ``std + eps`` (1e-4) that
+noise becomes an advantage of ~1e-3 where the exact answer is 0; near-equal large rewards
+(``[21.8359375, 21.8359375, 21.836803]``) lose 2e-3 the same way. In float64 the same error is
+~1e-12, below float32's resolution of the result. The CPU because some accelerators (MPS) have
+no float64; a (B,) vector costs nothing to move, and the estimators already synchronise to
+check for NaN.
 """
 
 from __future__ import annotations
@@ -23,17 +32,22 @@ __all__ = [
 GroupIds = Tensor | Sequence[Any]
 
 
-def _as_rewards(rewards: Tensor | Sequence[float]) -> Tensor:
+def _as_rewards(rewards: Tensor | Sequence[float]) -> tuple[Tensor, torch.dtype, torch.device]:
+    """The rewards as a float64 CPU working copy, and the dtype and device of the result
+    (float64 for float64 rewards, else float32; the input's device)."""
     r = torch.as_tensor(rewards)
     if r.ndim != 1:
         raise ValueError(f"rewards must have shape (B,), got {tuple(r.shape)}")
-    dtype = torch.float64 if r.dtype == torch.float64 else torch.float32
-    r = r.to(dtype)
+    out_dtype = torch.float64 if r.dtype == torch.float64 else torch.float32
+    # A float32 tensor is widened exactly; a Python list is first rounded to float32, so that a
+    # list and the tensor made from it give the same advantages.
+    device = r.device
+    r = r.to(out_dtype).to("cpu", torch.float64)
     bad = ~torch.isfinite(r)
     if bool(bad.any()):
         rows = torch.nonzero(bad).flatten().tolist()
         raise ValueError(f"rewards contain NaN or inf at rows {rows}: {r[bad].tolist()}")
-    return r
+    return r, out_dtype, device
 
 
 def _inverse(group_ids: GroupIds, n: int, device) -> tuple[Tensor, int]:
@@ -84,14 +98,15 @@ def group_advantages(
     - ``"none"``: no scaling (``A_i = r_i - mean_g``, Dr. GRPO).
 
     Rows in singleton groups get 0. NaN or inf rewards raise a ``ValueError`` naming the
-    rows. Returns float32 (float64 for float64 rewards), shape (B,).
+    rows. Computed in float64; returns float32 (float64 for float64 rewards), shape (B,), on the
+    rewards' device.
     """
     if std not in ("global", "group", "none"):
         raise ValueError(f"std must be 'global', 'group' or 'none', got {std!r}")
-    r = _as_rewards(rewards)
+    r, out_dtype, device = _as_rewards(rewards)
     n = r.shape[0]
     if n == 0:
-        return r.clone()
+        return r.to(device, out_dtype)
     inv, num_groups = _inverse(group_ids, n, r.device)
     count, mean, gstd = _group_moments(r, inv, num_groups)
     centered = r - mean[inv]
@@ -103,7 +118,7 @@ def group_advantages(
     else:
         adv = centered
     singleton = count[inv] <= 1
-    return torch.where(singleton, torch.zeros_like(adv), adv)
+    return torch.where(singleton, torch.zeros_like(adv), adv).to(device, out_dtype)
 
 
 def dr_grpo_advantages(rewards: Tensor | Sequence[float], group_ids: GroupIds, **_: Any) -> Tensor:
@@ -114,16 +129,16 @@ def dr_grpo_advantages(rewards: Tensor | Sequence[float], group_ids: GroupIds, *
 def rloo_advantages(rewards: Tensor | Sequence[float], group_ids: GroupIds, **_: Any) -> Tensor:
     r"""RLOO (Ahmadian et al. 2024, arXiv 2402.14740): leave-one-out baseline,
     ``A_i = r_i - (sum_g r - r_i) / (n_g - 1) = n_g / (n_g - 1) (r_i - mean_g)``.
-    Singleton groups give 0."""
-    r = _as_rewards(rewards)
+    Singleton groups give 0. Computed in float64 like ``group_advantages``."""
+    r, out_dtype, device = _as_rewards(rewards)
     n = r.shape[0]
     if n == 0:
-        return r.clone()
+        return r.to(device, out_dtype)
     inv, num_groups = _inverse(group_ids, n, r.device)
     count, mean, _ = _group_moments(r, inv, num_groups)
     c = count[inv]
     adv = (r - mean[inv]) * c / (c - 1).clamp(min=1)
-    return torch.where(c <= 1, torch.zeros_like(adv), adv)
+    return torch.where(c <= 1, torch.zeros_like(adv), adv).to(device, out_dtype)
 
 
 def group_stats(rewards: Tensor | Sequence[float], group_ids: GroupIds) -> dict[str, float]:
@@ -134,7 +149,7 @@ def group_stats(rewards: Tensor | Sequence[float], group_ids: GroupIds) -> dict[
     - ``std_mean``: mean over groups of the unbiased group std (singletons count 0);
     - ``num_groups``, ``group_size_mean``.
     """
-    r = _as_rewards(rewards)
+    r, _, _ = _as_rewards(rewards)
     if r.shape[0] == 0:
         return {"zero_std_ratio": 0.0, "std_mean": 0.0, "num_groups": 0.0, "group_size_mean": 0.0}
     inv, num_groups = _inverse(group_ids, r.shape[0], r.device)

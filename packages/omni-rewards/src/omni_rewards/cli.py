@@ -7,12 +7,14 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from .base import MissingDependencyError
 from .registry import available_rewards, load_reward
 from .types import RewardInput
 
@@ -128,6 +130,9 @@ def _cmd_distill(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omni-rewards", description="Score media with omni-rewards")
+    p.add_argument(
+        "--version", action="version", version=f"%(prog)s {metadata.version('omni-rewards')}"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser(
@@ -185,7 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except MissingDependencyError as exc:
+        # An extra that is not installed (serve without [server], ocr without [ocr], ...): the
+        # message names the package and the pip command; a traceback would bury it.
+        print(f"omni-rewards: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,6 +5,8 @@
     omni-train resume RUN [key=value ...]    continue RUN from its latest checkpoint
     omni-train report RUN                    write RUN/report.html (curves, sample grids)
     omni-train prepare NAME [--out DIR]      write a dataset (ocr, pickscore, video, edit, mmk12)
+    omni-train recipes list|copy NAME [--to DIR]   the recipes that ship with omni-train
+    omni-train --version
 
 Bad recipes and runs that cannot start print one clear message, never a stack trace.
 """
@@ -17,14 +19,17 @@ from collections.abc import Sequence
 
 from .errors import TrainError
 from .recipe import RecipeError
+from .version import version_text
 
-COMMANDS = ("validate", "resume", "report", "prepare")
+COMMANDS = ("validate", "resume", "report", "prepare", "recipes")
 
 USAGE = """omni-train RECIPE [key=value ...]
        omni-train validate RECIPE [key=value ...]
        omni-train resume RUN [key=value ...]
        omni-train report RUN
-       omni-train prepare NAME [--out DIR]"""
+       omni-train prepare NAME [--out DIR]
+       omni-train recipes list|copy NAME [--to DIR]
+       omni-train --version"""
 
 
 def _parser(cmd: str | None) -> argparse.ArgumentParser:
@@ -66,9 +71,13 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
         p = argparse.ArgumentParser(
             prog="omni-train",
             usage=USAGE,
-            description="RL post-training from a YAML recipe. Subcommands: validate, resume, report, prepare.",
+            # keeps the --version line whole (argparse wraps version text like a paragraph)
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            description="RL post-training from a YAML recipe. "
+            "Subcommands: validate, resume, report, prepare, recipes.",
         )
         p.add_argument("recipe", help="path to a recipe YAML")
+        p.add_argument("--version", action="version", version=version_text())
     p.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.steps=5"
     )
@@ -78,6 +87,10 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     cmd = args_list[0] if args_list and args_list[0] in COMMANDS else None
+    if cmd == "recipes":
+        from .recipes_cli import main as recipes_main
+
+        return recipes_main(args_list[1:])
     args = _parser(cmd).parse_args(args_list[1:] if cmd else args_list)
     try:
         if cmd == "validate":
