@@ -168,7 +168,9 @@ def test_weights_body_limit_is_its_own(toy):
 
 # ------------------------------------------------------------------ request limits
 class _Strict:
-    """Mixin: SD3-like latent_shape rule (height and width multiples of 16)."""
+    """Mixin: SD3-like latent_shape rule (height and width multiples of 16), images only."""
+
+    modality = "image"
 
     def latent_shape(self, params):
         for name in ("height", "width"):
@@ -195,6 +197,7 @@ def test_malformed_and_oversized_requests_name_the_field(toy_cls):
         (body(params={**params, "num_steps": 20000}), "params.num_steps"),
         (body(params={**params, "height": 4096, "width": 4096}), "params.height"),
         (body(params={**params, "height": 33}), "params.height"),
+        (body(params={**params, "num_frames": 3}), "params.num_frames"),
         (body(params={**params, "guidance_scale": 1e308}), "params.guidance_scale"),
         (body(params={**params, "noise_level": 1e6}), "params.noise_level"),
         (body(params=0), "params"),

@@ -13,8 +13,9 @@ configurable, `diffusion-rollout serve --help`) and to what the denoiser can run
   CHARS_PER_TOKEN`` characters *before* the denoiser tokenises them (its text encoders
   truncate to a fixed length anyway, but tokenising a megabyte of text first takes minutes);
 - the denoiser's own shape rules (``denoiser.latent_shape(params)`` where it has one, e.g.
-  SD3 needs height and width in multiples of 16), so ``height=33`` is a 400 that names
-  ``params.height``, not a 500 from inside a wave.
+  SD3 needs height and width in multiples of 16; ``num_frames`` 1 for a denoiser whose
+  ``modality`` is ``"image"``), so ``height=33`` is a 400 that names ``params.height``, not
+  a 500 from inside a wave.
 
 Queue, deadline and body limits live here too and are applied by `diffusion_rollout.server`;
 `HTTPLimits` (read / idle timeouts, connection cap) by `diffusion_rollout.serving`.
@@ -150,6 +151,11 @@ def check_request(
         )
     if len(request.request_id) > 256:
         raise LimitError("request_id is longer than 256 characters", "request_id")
+    if getattr(denoiser, "modality", None) == "image" and p.num_frames != 1:
+        raise LimitError(
+            f"params.num_frames={p.num_frames}: the model makes images (num_frames must be 1)",
+            "params.num_frames",
+        )
     if denoiser is not None and callable(getattr(denoiser, "latent_shape", None)):
         try:
             denoiser.latent_shape(p)

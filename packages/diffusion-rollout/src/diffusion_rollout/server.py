@@ -80,6 +80,19 @@ def _field_of(message: str) -> str | None:
     return ("params." if m.group(1) == "SamplingParams" else "") + m.group(2)
 
 
+_LOAD_FIELD = re.compile(r"load_weights: ([^\s:]+):")
+
+
+def _weights_error(exc: Exception) -> JSONResponse:
+    """400 for an update the denoiser's ``load_weights`` refused (before copying anything:
+    omni-adapters checks every tensor first); names the tensor when the message does."""
+    msg = str(exc).strip("'\"")
+    m = _LOAD_FIELD.search(msg)
+    return _error(
+        400, f"weights rejected: {msg}", field=m.group(1) if m else "body", kind="weights_rejected"
+    )
+
+
 class _BodyError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -300,9 +313,9 @@ def create_app(
         except ValueError as exc:
             if "not newer" in str(exc):
                 return refuse("version", _error(409, str(exc), field="version", kind="version"))
-            return refuse("invalid", _error(400, f"weights rejected: {exc}", field="body"))
+            return refuse("invalid", _weights_error(exc))
         except (KeyError, TypeError, RuntimeError) as exc:
-            return refuse("invalid", _error(400, f"weights rejected: {exc}", field="body"))
+            return refuse("invalid", _weights_error(exc))
         checksum = await asyncio.to_thread(weights_checksum, tensors)
         counts["weights"] += 1
         return JSONResponse({"version": version, "checksum": checksum, "tensors": len(tensors)})
