@@ -10,7 +10,8 @@ Endpoints (every error is JSON ``{"error": message, "field": name-or-null, "kind
   metadata ``version`` or the query ``?version=N``; answers ``{"version", "checksum",
   "tensors"}``. All or nothing: every tensor is checked before any is applied.
 - ``GET /health``: ``{"status": "ok", "version"}`` (no token needed).
-- ``GET /stats``: the engine's ``stats()`` plus the server's own counters under ``"server"``.
+- ``GET /stats``: the engine's ``stats()`` plus the server's own counters under ``"server"``
+  and the connection rules' (`diffusion_rollout.serving`) under ``"connections"``.
 
 Status codes: 400 a malformed or out-of-limit request (``field`` names it; limits in
 `diffusion_rollout.limits`), 401 a missing or wrong bearer token (checked before the body is
@@ -91,6 +92,15 @@ def _weights_error(exc: Exception) -> JSONResponse:
     return _error(
         400, f"weights rejected: {msg}", field=m.group(1) if m else "body", kind="weights_rejected"
     )
+
+
+def _connection_events() -> dict[str, int]:
+    """What `diffusion_rollout.serving`'s connection rules did (empty under another server)."""
+    try:
+        from .serving import CONNECTION_EVENTS
+    except ImportError:  # served by something other than uvicorn
+        return {}
+    return dict(CONNECTION_EVENTS)
 
 
 class _BodyError(Exception):
@@ -195,13 +205,18 @@ def create_app(
         try:
             body = await _read_body(request, limits.max_body_bytes)
         except _BodyError as exc:
-            return refuse("body", _error(exc.status, str(exc), field="body", headers=_CLOSE))
+            kind = "too_large" if exc.status == 413 else "bad_request"
+            return refuse(
+                kind, _error(exc.status, str(exc), field="body", kind=kind, headers=_CLOSE)
+            )
         except ClientDisconnect:
             counts["client_gone"] += 1
             return Response(status_code=400)
         try:
             req = await asyncio.to_thread(parse_request, body)
-        except (JSONBodyError, LimitError) as exc:
+        except LimitError as exc:
+            return refuse("over_limit", _error(400, str(exc), field=exc.field, kind="over_limit"))
+        except JSONBodyError as exc:
             return refuse("invalid", _error(400, str(exc), field=exc.field))
         except (ValueError, TypeError) as exc:
             msg = str(exc)
@@ -279,7 +294,10 @@ def create_app(
         try:
             body = await _read_body(request, limits.max_weights_bytes)
         except _BodyError as exc:
-            return refuse("body", _error(exc.status, str(exc), field="body", headers=_CLOSE))
+            kind = "too_large" if exc.status == 413 else "bad_request"
+            return refuse(
+                kind, _error(exc.status, str(exc), field="body", kind=kind, headers=_CLOSE)
+            )
         except ClientDisconnect:
             counts["client_gone"] += 1
             return Response(status_code=400)
@@ -326,6 +344,7 @@ def create_app(
     async def stats(request: Request) -> Response:
         out = dict(engine.stats())
         out["server"] = {"in_flight": busy["generate"], **counts}
+        out["connections"] = _connection_events()
         return JSONResponse(out)
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -238,6 +238,12 @@ def _field_of(message: str) -> str | None:
     return m.group(1) if m else None
 
 
+def _parse_and_count(body: bytes) -> tuple[Any, int]:
+    """(the parsed body, the pixels its images declare): one trip to the decode pool."""
+    obj = parse_json_body(body)
+    return obj, count_pixels(obj)
+
+
 class _BearerGate:
     """ASGI middleware: every path but ``/health`` needs ``Authorization: Bearer <token>``.
     It answers 401 before the route runs, so an unauthorised body is never read."""
@@ -353,9 +359,8 @@ def create_app(
                 counts["client_gone"] += 1
                 return Response(status_code=400)
             try:
-                obj = await off_loop(parse_json_body, body)
+                obj, pixels = await off_loop(_parse_and_count, body)
                 del body
-                pixels = await off_loop(count_pixels, obj)
             except JSONBodyError as e:
                 return error(400, str(e), field=e.field)
             except WireError as e:
@@ -437,6 +442,12 @@ def create_app(
             "pending_pixels": pixel_budget.used,
             **counts,
         }
+        try:
+            from .serving import CONNECTION_EVENTS
+
+            out["connections"] = dict(CONNECTION_EVENTS)
+        except ImportError:  # served by something other than uvicorn
+            out["connections"] = {}
         return JSONResponse(out)
 
     async def http_error(request: Request, exc: Exception) -> Response:
