@@ -100,6 +100,8 @@ def test_malformed_requests_name_the_field():
         (json.dumps({"images": [red, "!!"]}).encode(), 400, "images[1]"),
         (b'{"images": "\xff"}', 400, "body"),
         (b"{not json", 400, "body"),
+        (json.dumps({"imgs": [red]}).encode(), 400, "imgs"),
+        (json.dumps({"images": [red, red], "prompts": ["x"]}).encode(), 400, "images"),
     ]
     with running(load_reward("brightness")) as (srv, _), httpx.Client(timeout=30) as http:
         for content, status, field in cases:
@@ -253,7 +255,8 @@ def test_auth_before_body_read_timeout_and_connection_cap():
         s = _raw(srv.port, b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n")
         t0 = time.monotonic()
         answer = _read_all(s)
-        assert b" 401 " in answer and b"bearer token" in answer and time.monotonic() - t0 < 2
+        assert b" 401 " in answer and b"bearer token" in answer
+        assert time.monotonic() - t0 < 20  # not after the 100 MB (the read timeout is 0.5 s)
         slow = _raw(srv.port, b"POST /score HTTP/1.1\r\nHost: x\r\n")
         answer = _read_all(slow)
         assert b" 408 " in answer and b'"kind": "timeout"' in answer
@@ -303,3 +306,60 @@ def test_cli_unknown_reward_is_one_line():
     assert proc.returncode != 0 and len(lines) == 1 and "unknown reward 'nope'" in lines[0], (
         proc.stderr
     )
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    leaf = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(10**25), max_value=10**25),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=20),
+        st.sampled_from([png((3, 2)), "!!", ""]),
+    )
+    return st.recursive(
+        leaf,
+        lambda kids: (
+            st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4)
+        ),
+        max_leaves=12,
+    )
+
+
+def test_fuzzed_bodies_are_4xx_not_500():
+    """Any JSON object over the known fields decodes or raises an error the server answers
+    with a 4xx (WireError / RewardInputError / ValueError / TypeError), never anything else."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from omni_rewards.types import RewardInputError
+    from omni_rewards.wire import WireError, decode_input
+
+    fields = st.sampled_from(
+        [
+            "images",
+            "videos",
+            "latents",
+            "audio",
+            "sample_rate",
+            "texts",
+            "prompts",
+            "references",
+            "metadata",
+        ]
+    )
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.dictionaries(fields, _json_values(), max_size=4))
+    def check(obj):
+        body = json.dumps(obj).encode()
+        try:
+            parsed = parse_json_body(body)
+            count_pixels(parsed)
+            decode_input(parsed)
+        except (JSONBodyError, WireError, RewardInputError, ValueError, TypeError):
+            pass
+
+    check()

@@ -232,10 +232,17 @@ _FIELD = re.compile(r"^([A-Za-z_]+(?:\[\d+\])*):")
 _CLOSE = {"connection": "close"}
 
 
+_OTHER_FIELD = re.compile(r"unknown fields \['([^']*)'|disagree on the batch size: (\w+)=")
+
+
 def _field_of(message: str) -> str | None:
-    """The field a wire / input error names at its start (``images[2]: ...``)."""
+    """The field a wire / input error names: at its start (``images[2]: ...``), or the first
+    unknown field, or the first of the fields whose sample counts disagree."""
     m = _FIELD.match(message)
-    return m.group(1) if m else None
+    if m:
+        return m.group(1)
+    m = _OTHER_FIELD.search(message)
+    return (m.group(1) or m.group(2)) if m else None
 
 
 def _parse_and_count(body: bytes) -> tuple[Any, int]:
@@ -378,7 +385,7 @@ def create_app(
                 return busy("the server holds its maximum of decoded pixels; retry later")
             try:
                 inp = await off_loop(decode_input, obj)
-            except (WireError, RewardInputError) as e:
+            except (WireError, RewardInputError, ValueError, TypeError) as e:
                 return error(400, str(e), field=_field_of(str(e)))
             del obj
             body_budget.give(size)
