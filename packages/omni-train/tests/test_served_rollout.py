@@ -13,12 +13,10 @@ import httpx
 import pytest
 import torch
 
-pytest.importorskip("uvicorn")
-
 
 @pytest.fixture
 def served(tiny_sd3):
-    import uvicorn
+    uvicorn = pytest.importorskip("uvicorn")  # diffusion-rollout's server extra
 
     from diffusion_rollout.cli import build_parser, build_server
     from diffusion_rollout.serving import uvicorn_config
@@ -73,3 +71,24 @@ def test_rejected_first_update_changes_nothing(served):
     assert r.status_code == 200, r.text
     changed = trajectory_from_bytes(http.post("/generate", content=gen).content)
     assert changed.version == 1 and not torch.equal(before.final_latent, changed.final_latent)
+
+
+def test_engine_rejects_a_half_bad_first_update_whole(tiny_sd3):
+    """In process (no server extra needed): the engine knows no shapes before its first
+    update, so the adapter's own check-before-copy is what keeps the good tensor out."""
+    from diffusion_rollout import EmbeddedEngine, RolloutRequest, SamplingParams
+    from omni_adapters import from_pretrained
+
+    denoiser = from_pretrained(tiny_sd3)
+    own = dict(denoiser.model.named_parameters())
+    first, last = sorted(own)[0], sorted(own)[-1]
+    before = {k: v.detach().clone() for k, v in own.items()}
+    params = SamplingParams(height=32, width=32, num_steps=3, output="latent")
+    with EmbeddedEngine(denoiser) as engine:
+        (a,) = engine.generate_many([RolloutRequest("a fox", 3, params)])
+        with pytest.raises(ValueError, match=last.replace(".", r"\.")):
+            engine.update_weights({first: own[first].detach() + 1, last: torch.zeros(2)}, 1)
+        (b,) = engine.generate_many([RolloutRequest("a fox", 3, params)])
+        assert engine.version == 0
+    assert all(torch.equal(before[k], v) for k, v in own.items())
+    assert torch.equal(a.final_latent, b.final_latent)
