@@ -377,6 +377,7 @@ class EmbeddedEngine:
                 self._queue = [e for e in self._queue if id(e) not in chosen]
                 claimed = [e for e in group if e.future.set_running_or_notify_cancel()]
                 if claimed:
+                    self._running = claimed  # cancel() finds them from here on
                     return claimed
                 continue
             waiting = [e.t_submit + self.version_timeout_s for e in self._queue]
@@ -409,10 +410,10 @@ class EmbeddedEngine:
                     )
                 else:
                     ok.append(e)
-            if not ok:
-                return
             with self._cond:
                 self._running = ok
+            if not ok:
+                return
             try:
                 with torch.no_grad():
                     trajs, forwards, step_s = denoise_wave(
