@@ -268,14 +268,23 @@ def reward_malformed() -> dict[str, object]:
     }
 
 
+#: kinds sent one at a time (within the burst): the server takes one weight update at a
+#: time and answers others 429, so concurrent bad updates would mostly test that rule
+SERIAL = ("half_bad_update", "nan_update", "version_1e3")
+
+
 async def burst(port: int, kinds: dict[str, object], n: int) -> list[tuple[str, object, object]]:
     names = list(kinds)
+    serial = asyncio.Lock()
 
     async def one(i: int):
         name = names[i % len(names)]
         what = kinds[name]
         if callable(what):
             status, kind = await what(port)
+        elif name in SERIAL:
+            async with serial:
+                status, kind = await raw_exchange(port, what, wait_s=60)
         else:
             slow = name == "half_sent_request"
             status, kind = await raw_exchange(port, what, wait_s=READ_TIMEOUT_S * 3 if slow else 60)
@@ -300,11 +309,22 @@ async def good_clients(
         async def client(c: int) -> None:
             for r in range(per_client):
                 t0 = time.monotonic()
-                for _ in range(30):  # a 429 is retried after its Retry-After, as the clients do
+                # as RolloutClient and HTTPReward do: a 429 is retried after its Retry-After,
+                # a dropped kept-alive connection (closed idle by the server while this
+                # overloaded client was slow to send) once on a new one
+                dropped = 0
+                for _ in range(30):
                     try:
                         resp = await http.post(
                             make_body.path, content=make_body(c * per_client + r)
                         )
+                    except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
+                        if dropped:
+                            statuses[type(exc).__name__] += 1
+                            break
+                        dropped += 1
+                        statuses[f"{type(exc).__name__} (retried)"] += 1
+                        continue
                     except httpx.HTTPError as exc:
                         statuses[type(exc).__name__] += 1
                         break
