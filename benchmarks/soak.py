@@ -151,6 +151,8 @@ async def raw_exchange(port: int, data: bytes, *, hold_s: float = 0.0, wait_s: f
         return None, "no_http_answer"
     status = int(raw[9:12])
     body = raw.partition(b"\r\n\r\n")[2]
+    if status < 300:
+        return status, "ok"
     try:
         kind = json.loads(body).get("kind")
     except ValueError:
