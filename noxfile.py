@@ -9,6 +9,7 @@
     uv run nox -s standalone     each package's wheel alone in a fresh venv, its tests there
     uv run nox -s tests-verl     the verl backend's tests in the lock's verl environment
     uv run nox -s bench          the benchmark scripts (print measured ratios)
+    uv run nox -s soak           both servers under 500 clients + malformed traffic (prints)
 
 `tests`, `lint` and `contracts` run in the environment nox itself runs in (the workspace venv
 that `uv run` syncs), so they install nothing. `standalone` builds wheels and makes one venv per
@@ -251,6 +252,18 @@ def _wheel(dist: Path, package: str) -> Path:
 
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
-    """Run every benchmark script; each prints ratios measured side by side in one run."""
+    """Run every benchmark script but the soak; each prints ratios measured side by side."""
     for script in sorted((ROOT / "benchmarks").glob("*.py")):
-        session.run(sys.executable, str(script), *session.posargs, external=True)
+        if script.name != "soak.py":
+            session.run(sys.executable, str(script), *session.posargs, external=True)
+
+
+@nox.session(venv_backend="none")
+def soak(session: nox.Session) -> None:
+    """Both servers under 500 concurrent clients and a burst of malformed traffic (loopback);
+    prints requests answered, errors by kind, peak memory and p99 latency. Options after --,
+    e.g. `nox -s soak -- --clients 100 --only reward`."""
+    script = ROOT / "benchmarks" / "soak.py"
+    # HOME stays: the tiny SD3 the soak serves is built once into ~/.cache/omni-rl-soak
+    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    session.run(sys.executable, str(script), *session.posargs, env=offline, external=True)

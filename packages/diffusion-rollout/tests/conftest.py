@@ -219,13 +219,16 @@ def live_server(request):
     """Start `diffusion-rollout serve` (toy denoiser via the factory argument) on a free port
     in a background thread; yields (url, engine, toy). Use
     ``@pytest.mark.parametrize("live_server", [{"token": "s3cret"}], indirect=True)`` for options
-    (``{"edit": True}`` serves the image-conditioned toy)."""
+    (``{"edit": True}`` serves the image-conditioned toy, ``{"denoiser": cls}`` any other,
+    ``{"argv": [...]}`` adds serve flags such as limits). The server runs on the guarded
+    uvicorn protocol of `diffusion_rollout.serving`, as `diffusion-rollout serve` does."""
     import socket
     import time
 
     import uvicorn
 
     from diffusion_rollout.cli import build_parser, build_server
+    from diffusion_rollout.serving import uvicorn_config
 
     opts = getattr(request, "param", {}) or {}
     with socket.socket() as s:
@@ -244,10 +247,18 @@ def live_server(request):
     ]
     if opts.get("token"):
         argv += ["--token", opts["token"]]
+    argv += [str(a) for a in opts.get("argv", [])]  # e.g. ["--max-steps", 8]
     args = build_parser().parse_args(argv)
-    toy = ToyEditDenoiser() if opts.get("edit") else ToyDenoiser()
+    toy = (
+        opts["denoiser"]()
+        if "denoiser" in opts
+        else (ToyEditDenoiser() if opts.get("edit") else ToyDenoiser())
+    )
     app, engine = build_server(args, denoiser_factory=lambda path, device: toy)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    config = uvicorn_config(
+        app, host="127.0.0.1", port=port, limits=app.state.limits.http, log_level="warning"
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

@@ -146,17 +146,17 @@ def test_bearer_token(live_server):
 
 
 def test_cli_main_wires_uvicorn(monkeypatch, toy):
-    import uvicorn
-
-    from diffusion_rollout import cli
+    from diffusion_rollout import cli, serving
 
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    monkeypatch.setattr(serving, "run", lambda app, **kw: seen.update(app=app, **kw))
     rc = cli.main(
-        ["serve", "--model", "m", "--port", "8123", "--max-num-seqs", "4"],
+        ["serve", "--model", "m", "--port", "8123", "--max-num-seqs", "4", "--max-steps", "9"],
         denoiser_factory=lambda path, device: toy,
     )
     assert rc == 0 and seen["host"] == "127.0.0.1" and seen["port"] == 8123
+    assert seen["app"].state.limits.max_steps == 9
+    assert seen["limits"] == seen["app"].state.limits.http
 
 
 def test_cli_without_omni_adapters_explains(monkeypatch):

@@ -221,6 +221,21 @@ def test_export_formats_and_strict_load(toy):
         toy.export_rollout_weights(fmt="onnx")
 
 
+def test_load_weights_is_all_or_nothing(toy):
+    """One changed good tensor next to a wrong-shape (or NaN) one: nothing is copied."""
+    toy.add_lora(2)
+    _set_random(toy)
+    before = toy.export_rollout_weights()
+    names = sorted(before)
+    for bad in (torch.zeros(3, 3), torch.full_like(before[names[-1]], float("nan"))):
+        update = {k: v + 1.0 for k, v in before.items()}
+        update[names[-1]] = bad
+        with pytest.raises(ValueError, match=names[-1].replace(".", r"\.")):
+            toy.load_weights(update)
+        after = toy.export_rollout_weights()
+        assert all(torch.equal(before[k], after[k]) for k in names)
+
+
 def test_fsdp_units_and_typos(toy):
     assert toy.fsdp_wrap_units() == [Block]
     assert len(toy.fsdp_wrap_modules()) == 2

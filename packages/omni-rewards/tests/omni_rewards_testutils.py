@@ -38,7 +38,8 @@ def free_port() -> int:
 
 
 class ServerThread:
-    """Runs an ASGI app with uvicorn on 127.0.0.1:<random port> in a background thread."""
+    """Runs an ASGI app with uvicorn on 127.0.0.1:<random port> in a background thread, on the
+    guarded protocol of `omni_rewards.serving` (as `omni-rewards serve` does)."""
 
     def __init__(self, app) -> None:
         import threading
@@ -46,10 +47,18 @@ class ServerThread:
 
         import uvicorn
 
+        from omni_rewards.limits import HTTPLimits
+        from omni_rewards.serving import uvicorn_config
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="error", lifespan="on"
+        limits = getattr(getattr(app, "state", None), "limits", None)
+        config = uvicorn_config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            limits=limits.http if limits is not None else HTTPLimits(),
+            log_level="critical",
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

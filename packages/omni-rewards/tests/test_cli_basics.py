@@ -50,6 +50,6 @@ def test_console_script_prints_no_traceback() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        "omni-rewards: error: reward 'serve' needs the python package 'uvicorn', which is not "
+        "omni-rewards: error: omni-rewards serve needs the python package 'uvicorn', which is not "
         "installed: pip install 'omni-rewards[server]'"
     ]

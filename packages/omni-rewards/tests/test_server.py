@@ -12,6 +12,7 @@ import pytest
 from omni_rewards_testutils import ServerThread, free_port, solid
 
 from omni_rewards import RewardInput, RewardInputError, load_reward
+from omni_rewards.limits import RewardLimits
 from omni_rewards.server import create_app
 from omni_rewards.wire import decode_input, encode_input, encode_png
 
@@ -23,9 +24,9 @@ def server():
     app = create_app(
         load_reward("color_match"),
         token=TOKEN,
-        max_request_bytes=200_000,
         max_batch=32,
         max_wait_ms=20,
+        limits=RewardLimits(max_request_mb=200_000 / 2**20),
     )
     srv = ServerThread(app)
     yield srv, app

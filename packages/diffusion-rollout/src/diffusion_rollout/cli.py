@@ -10,14 +10,16 @@ install ``omni-adapters`` next to this package to serve its models, or pass
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
-from typing import Any
+from typing import Any, NoReturn
 
 from .engine import EmbeddedEngine
+from .limits import HTTPLimits, RolloutLimits
 
 __all__ = ["build_parser", "build_server", "main"]
 
@@ -45,8 +47,48 @@ def _load_with_omni_adapters(path: str, device: str | None) -> Any:
     return adapters.from_pretrained(path, **options)
 
 
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): ``prog: error: ... (see --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_limit_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One ``--flag`` per numeric field of a limits dataclass, its default and help."""
+    for f in dataclasses.fields(cls):
+        if f.type not in ("int", "float"):
+            continue
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=int if f.type == "int" else float,
+            default=f.default,
+            help=f"{f.metadata['help']} (default {f.default:g})",
+        )
+
+
+def limits_from_args(args: argparse.Namespace) -> RolloutLimits:
+    """The `RolloutLimits` of parsed ``serve`` arguments; SystemExit naming a bad flag."""
+
+    def values(cls: type) -> dict[str, Any]:
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name != "http"}
+
+    try:
+        return RolloutLimits(**values(RolloutLimits), http=HTTPLimits(**values(HTTPLimits)))
+    except ValueError as exc:
+        name = str(exc).split(" ")[0].split(".")[-1]
+        raise SystemExit(
+            f"diffusion-rollout serve: --{name.replace('_', '-')}: {_one_line(exc)}"
+        ) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="diffusion-rollout", description="Request-batched diffusion rollout engine."
     )
     parser.add_argument(
@@ -73,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--token", default=None, help=f"bearer token (prefer the {TOKEN_ENV} environment variable)"
     )
     serve.add_argument("--log-level", default="info")
+    limits = serve.add_argument_group("limits (see the README's 'Server limits')")
+    _add_limit_flags(limits, RolloutLimits)
+    _add_limit_flags(limits, HTTPLimits)
     return parser
 
 
@@ -84,20 +129,34 @@ def build_server(
     from .server import create_app
 
     if not 0 < args.port < 65536:
-        raise SystemExit(f"--port must be in 1..65535, got {args.port}")
+        raise SystemExit(f"diffusion-rollout serve: --port must be in 1..65535, got {args.port}")
     if args.max_num_seqs < 1:
-        raise SystemExit(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+        raise SystemExit(
+            f"diffusion-rollout serve: --max-num-seqs must be >= 1, got {args.max_num_seqs}"
+        )
+    limits = limits_from_args(args)
     factory = denoiser_factory or _load_with_omni_adapters
-    denoiser = factory(args.model, args.device)
-    engine = EmbeddedEngine(
-        denoiser,
-        max_num_seqs=args.max_num_seqs,
-        max_wait_ms=args.max_wait_ms,
-        version=args.version,
-        version_timeout_s=args.version_timeout_s,
-    )
+    try:
+        denoiser = factory(args.model, args.device)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # a missing folder, a broken config: one line, no traceback
+        raise SystemExit(
+            f"diffusion-rollout serve: cannot load --model {args.model}: {_one_line(exc)}"
+        ) from None
+    try:
+        engine = EmbeddedEngine(
+            denoiser,
+            max_num_seqs=args.max_num_seqs,
+            max_wait_ms=args.max_wait_ms,
+            version=args.version,
+            version_timeout_s=args.version_timeout_s,
+            max_wave_pixels=limits.max_wave_pixels,
+        )
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"diffusion-rollout serve: {_one_line(exc)}") from None
     token = args.token or os.environ.get(TOKEN_ENV) or None
-    return create_app(engine, token=token), engine
+    return create_app(engine, token=token, limits=limits), engine
 
 
 def main(
@@ -109,7 +168,7 @@ def main(
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         try:
-            import uvicorn
+            from .serving import run
 
             app, engine = build_server(args, denoiser_factory)
         except ModuleNotFoundError as exc:
@@ -127,7 +186,13 @@ def main(
         ):
             print(f"warning: serving on {args.host} without a bearer token", file=sys.stderr)
         try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+            run(
+                app,
+                host=args.host,
+                port=args.port,
+                limits=app.state.limits.http,
+                log_level=args.log_level,
+            )
         finally:
             engine.close()
     return 0

@@ -104,7 +104,7 @@ class _HttpBackend:
             msg = resp.text
         if resp.status_code == 409:
             raise VersionMismatchError(msg)
-        if resp.status_code == 503:
+        if resp.status_code in (429, 503):  # overloaded or aborted: retried with backoff
             raise RequestAborted(msg)
         if 400 <= resp.status_code < 500:
             raise ValueError(f"server rejected the request ({resp.status_code}): {msg}")

@@ -43,6 +43,7 @@ from .types import (
     VersionMismatchError,
 )
 from .wave import check_images, denoise_wave
+from .weights import check_weights, weight_shapes
 
 __all__ = ["EmbeddedEngine"]
 
@@ -54,6 +55,7 @@ class _Entry:
     key: tuple
     version: int | None
     t_submit: float
+    stop: bool = False  # set by cancel/abort while the request's wave runs
 
 
 @dataclass
@@ -90,6 +92,9 @@ class EmbeddedEngine:
         version: the weights version the denoiser starts with.
         version_timeout_s: how long a request pinned to a version the engine does not have
             yet waits for `update_weights` before it fails with `VersionMismatchError`.
+        max_wave_pixels: the most pixels (height x width x frames, summed over rows) one
+            wave may hold; a wave of large requests gets fewer rows (at least one). None: no
+            bound beyond ``max_num_seqs``.
 
     Example:
         >>> engine = EmbeddedEngine(denoiser, max_num_seqs=16)
@@ -104,6 +109,7 @@ class EmbeddedEngine:
         *,
         version: int = 0,
         version_timeout_s: float = 60.0,
+        max_wave_pixels: int | None = None,
     ) -> None:
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
@@ -113,6 +119,12 @@ class EmbeddedEngine:
             raise ValueError(f"version_timeout_s must be >= 0, got {version_timeout_s}")
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an integer >= 0, got {version!r}")
+        if max_wave_pixels is not None and (
+            isinstance(max_wave_pixels, bool)
+            or not isinstance(max_wave_pixels, int)
+            or max_wave_pixels < 1
+        ):
+            raise ValueError(f"max_wave_pixels must be an integer >= 1, got {max_wave_pixels!r}")
         for name in ("encode", "init_latents", "sigmas", "velocity"):
             if not callable(getattr(denoiser, name, None)):
                 raise TypeError(f"denoiser has no method {name!r} (see diffusion_rollout.Denoiser)")
@@ -120,6 +132,7 @@ class EmbeddedEngine:
         self.max_num_seqs = max_num_seqs
         self.max_wait_s = float(max_wait_ms) / 1000.0
         self.version_timeout_s = float(version_timeout_s)
+        self.max_wave_pixels = max_wave_pixels
         self._version = version
         self._queue: list[_Entry] = []
         self._cond = threading.Condition()
@@ -129,6 +142,8 @@ class EmbeddedEngine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._stats = _Stats()
+        self._weight_shapes: dict[str, tuple[int, ...]] = {}
+        self._running: list[_Entry] = []
 
     # ----------------------------------------------------------------- public API
     @property
@@ -197,15 +212,17 @@ class EmbeddedEngine:
     def update_weights(self, tensors: dict[str, Tensor], version: int) -> None:
         """Load new trainable weights as ``version``, atomically.
 
+        Every tensor is checked first (`diffusion_rollout.weights.check_weights`: names,
+        floating dtype, finite values, the shapes of earlier updates); a rejected update
+        raises `WeightsRejected` (a ValueError naming the tensor) and changes nothing.
         A wave in flight finishes on the old weights; no new wave starts until the load is
         done; requests pinned to ``version`` that were waiting run next. Versions only go up.
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"update_weights: version must be an integer >= 0, got {version!r}")
-        if not isinstance(tensors, dict) or not all(
-            isinstance(t, Tensor) for t in tensors.values()
-        ):
-            raise ValueError("update_weights: tensors must be a dict of name -> torch.Tensor")
+        # All or nothing: every tensor is checked (name, dtype, finite, shape against earlier
+        # updates) before the denoiser sees any; a rejected update keeps weights and version.
+        tensors = check_weights(tensors, self._weight_shapes)
         load = getattr(self.denoiser, "load_weights", None)
         if not callable(load):
             raise TypeError("update_weights: the denoiser has no load_weights(tensors) method")
@@ -222,21 +239,35 @@ class EmbeddedEngine:
                     load(tensors)
                 with self._cond:
                     self._version = version
+                    self._weight_shapes.update(weight_shapes(tensors))
         finally:
             with self._cond:
                 self._updates_waiting -= 1
                 self._cond.notify_all()
 
     def abort(self, request_id: str) -> int:
-        """Abort queued (not yet running) requests with this id; returns how many. Their
+        """Abort the requests with this id; returns how many. Queued ones leave the queue at
+        once; running ones stop at their wave's next step boundary and free their rows. Their
         futures raise `RequestAborted` (a client may retry them)."""
+        return self._stop(lambda e: e.request.request_id == request_id)
+
+    def cancel(self, future: concurrent.futures.Future) -> bool:
+        """Abort the one request whose future `submit` returned (see `abort`); True when it
+        was still queued or running. The HTTP server calls this when a client goes away or
+        its request passes the deadline."""
+        return self._stop(lambda e: e.future is future) > 0
+
+    def _stop(self, match: Any) -> int:
         with self._cond:
-            hit = [e for e in self._queue if e.request.request_id == request_id]
-            self._queue = [e for e in self._queue if e.request.request_id != request_id]
-            self._stats.aborted += len(hit)
+            hit = [e for e in self._queue if match(e)]
+            self._queue = [e for e in self._queue if not match(e)]
+            running = [e for e in self._running if match(e) and not e.stop]
+            for e in running:
+                e.stop = True
+            self._stats.aborted += len(hit) + len(running)
         for e in hit:
-            e.future.set_exception(RequestAborted(f"request {request_id!r} was aborted"))
-        return len(hit)
+            e.future.set_exception(RequestAborted(f"request {e.request.request_id!r} was aborted"))
+        return len(hit) + len(running)
 
     def stats(self) -> dict[str, Any]:
         """Waves run, mean rows per forward, mean queue wait, mean time per denoising step."""
@@ -257,6 +288,7 @@ class EmbeddedEngine:
                 "pending": len(self._queue),
                 "version": self._version,
                 "max_num_seqs": self.max_num_seqs,
+                "max_wave_pixels": self.max_wave_pixels,
                 "max_wait_ms": self.max_wait_s * 1000.0,
             }
 
@@ -334,8 +366,9 @@ class EmbeddedEngine:
             runnable = [e for e in self._queue if e.version is None or e.version == cur]
             if runnable:
                 key = runnable[0].key
-                group = [e for e in runnable if e.key == key][: self.max_num_seqs]
-                if len(group) < self.max_num_seqs and self.max_wait_s > 0:
+                rows = self._wave_rows(runnable[0].request)
+                group = [e for e in runnable if e.key == key][:rows]
+                if len(group) < rows and self.max_wait_s > 0:
                     wait_until = group[0].t_submit + self.max_wait_s
                     if now < wait_until:
                         self._cond.wait(wait_until - now)
@@ -344,11 +377,21 @@ class EmbeddedEngine:
                 self._queue = [e for e in self._queue if id(e) not in chosen]
                 claimed = [e for e in group if e.future.set_running_or_notify_cancel()]
                 if claimed:
+                    self._running = claimed  # cancel() finds them from here on
                     return claimed
                 continue
             waiting = [e.t_submit + self.version_timeout_s for e in self._queue]
             timeout = max(min(waiting) - now, 0.0) + 1e-3 if waiting else None
             self._cond.wait(timeout)
+
+    def _wave_rows(self, request: RolloutRequest) -> int:
+        """Rows a wave of requests like this one may hold: ``max_num_seqs``, fewer when
+        ``max_wave_pixels`` allows fewer (never below one)."""
+        if self.max_wave_pixels is None:
+            return self.max_num_seqs
+        p = request.params
+        per_row = p.height * p.width * p.num_frames
+        return max(1, min(self.max_num_seqs, self.max_wave_pixels // per_row))
 
     def _run_wave(self, entries: list[_Entry]) -> None:
         with self._compute_lock:
@@ -367,6 +410,8 @@ class EmbeddedEngine:
                     )
                 else:
                     ok.append(e)
+            with self._cond:
+                self._running = ok
             if not ok:
                 return
             try:
@@ -377,10 +422,12 @@ class EmbeddedEngine:
                         version=version,
                         t_start=t_start,
                         t_submit=[e.t_submit for e in ok],
+                        cancelled=lambda i: ok[i].stop,
                     )
             except BaseException as exc:  # the wave fails, the engine keeps serving
                 with self._cond:
                     self._stats.failed += len(ok)
+                    self._running = []
                 for e in ok:
                     e.future.set_exception(exc)
                 if not isinstance(exc, Exception):
@@ -388,13 +435,19 @@ class EmbeddedEngine:
                 return
             t_end = time.monotonic()
             with self._cond:
+                self._running = []
                 s = self._stats
                 s.waves += 1
-                s.requests += len(ok)
+                s.requests += sum(t is not None for t in trajs)
                 s.forwards += forwards
                 s.rows += forwards * len(ok)
                 s.queue_wait_s += sum(t_start - e.t_submit for e in ok)
                 s.step_s += step_s
                 s.wave_s += t_end - t_start
         for e, traj in zip(ok, trajs):
-            e.future.set_result(traj)
+            if traj is None:  # stopped at a step boundary (cancel / abort)
+                e.future.set_exception(
+                    RequestAborted(f"request {e.request.request_id!r} was aborted while running")
+                )
+            else:
+                e.future.set_result(traj)

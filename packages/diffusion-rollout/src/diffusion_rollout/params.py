@@ -19,6 +19,8 @@ import torch
 __all__ = ["OUTPUTS", "SDE_KINDS", "RolloutRequest", "SamplingParams"]
 
 OUTPUTS = ("latent", "pixel", "both")
+#: condition images (PNG/JPEG/safetensors on the wire) larger than this are refused
+MAX_IMAGE_PIXELS = 4096 * 4096
 SDE_KINDS = ("sde", "cps", "dance", "ode")
 
 
@@ -245,8 +247,11 @@ class RolloutRequest:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RolloutRequest:
-        """Build from a JSON dict; errors name the bad field."""
+    def from_dict(
+        cls, data: dict[str, Any], *, max_image_pixels: int = MAX_IMAGE_PIXELS
+    ) -> RolloutRequest:
+        """Build from a JSON dict; errors name the bad field. A PNG/JPEG condition image
+        larger than ``max_image_pixels`` is refused before it is decoded."""
         if not isinstance(data, dict):
             raise ValueError(f"request body must be a JSON object, got {type(data).__name__}")
         known = {"prompt", "seed", "params", "request_id", "negative_prompt", "image"}
@@ -256,14 +261,23 @@ class RolloutRequest:
         for name in ("prompt", "seed"):
             if name not in data:
                 raise ValueError(f"RolloutRequest.{name} is required")
-        params = data.get("params") or {}
+        # null means "not given"; any other non-object (0, [], "x") is an error, never the
+        # defaults in disguise
+        params = data.get("params")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(
+                f"RolloutRequest.params must be an object, got {type(params).__name__}"
+            )
+        request_id = data.get("request_id")
         return cls(
             prompt=data["prompt"],
             seed=data["seed"],
-            params=SamplingParams.from_dict(params),
-            request_id=data.get("request_id", "") or "",
+            params=SamplingParams.from_dict(params or {}),
+            request_id="" if request_id is None else request_id,
             negative_prompt=data.get("negative_prompt"),
-            image=None if data.get("image") is None else image_from_base64(data["image"]),
+            image=None
+            if data.get("image") is None
+            else image_from_base64(data["image"], max_pixels=max_image_pixels),
         )
 
 
@@ -296,10 +310,11 @@ def image_to_base64(image: np.ndarray | torch.Tensor) -> str:
     return base64.b64encode(save({"image": t.detach().to("cpu").contiguous().clone()})).decode()
 
 
-def image_from_base64(text: Any) -> torch.Tensor:
+def image_from_base64(text: Any, *, max_pixels: int = MAX_IMAGE_PIXELS) -> torch.Tensor:
     """Inverse of :func:`image_to_base64`; also takes base64 PNG/JPEG bytes (with pillow).
 
-    Errors name ``RolloutRequest.image``.
+    A PNG/JPEG whose header declares more than ``max_pixels`` pixels is refused before it is
+    decoded (a small file can declare a huge image). Errors name ``RolloutRequest.image``.
     """
     if not isinstance(text, str):
         raise ValueError(
@@ -321,8 +336,13 @@ def image_from_base64(text: Any) -> torch.Tensor:
             ) from None
         try:
             with Image.open(io.BytesIO(raw)) as im:
+                if im.width * im.height > max_pixels:
+                    raise ValueError(
+                        f"RolloutRequest.image: {im.width}x{im.height} is more than the "
+                        f"{max_pixels} pixels allowed"
+                    )
                 arr = np.asarray(im.convert("RGB"), dtype=np.uint8).copy()
-        except OSError as exc:
+        except (OSError, SyntaxError, Image.DecompressionBombError) as exc:
             raise ValueError(f"RolloutRequest.image: cannot decode the image ({exc})") from None
         return torch.from_numpy(arr)
     try:
@@ -344,4 +364,9 @@ def image_from_base64(text: Any) -> torch.Tensor:
         )
     img = tensors["image"]
     _check_image(img)
+    if img.shape[0] * img.shape[1] > max_pixels:
+        raise ValueError(
+            f"RolloutRequest.image: {img.shape[1]}x{img.shape[0]} is more than the "
+            f"{max_pixels} pixels allowed"
+        )
     return img

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -91,12 +91,17 @@ def denoise_wave(
     version: int = 0,
     t_start: float | None = None,
     t_submit: Sequence[float] | None = None,
-) -> tuple[list[Trajectory], int, float]:
+    cancelled: Callable[[int], bool] | None = None,
+) -> tuple[list[Trajectory | None], int, float]:
     """Denoise one wave of compatible requests; every forward sees all rows.
 
-    Returns ``(trajectories, forwards, step_seconds)``. The requests must share
-    ``params.compat_key()`` (up to the weights version); see the module docstring for the
-    per-request random draws. Run it under ``torch.no_grad()``.
+    Returns ``(trajectories, forwards, step_seconds)``, trajectories in request order. The
+    requests must share ``params.compat_key()`` (up to the weights version); see the module
+    docstring for the per-request random draws. Run it under ``torch.no_grad()``.
+
+    ``cancelled(i)`` (optional) is asked at every step boundary whether request ``i`` should
+    stop; a stopped row leaves the wave there (the rest go on without it, their results
+    unchanged) and its trajectory is None.
     """
     den = denoiser
     reqs = list(requests)
@@ -164,31 +169,7 @@ def denoise_wave(
         )
     t1 = time.monotonic()
 
-    # Per-step plan, small Python ints only: the step's segments [lo, hi) of sorted rows,
-    # each either an ODE segment (kind None) or the SDE block of one (kind, noise level).
-    blocks: dict[tuple, list[int]] = defaultdict(list)
-    for k, r in enumerate(reqs_s):
-        s, e = win_s[k]
-        blocks[(r.params.sde_kind, r.params.noise_level, e - s)].append(k)
-    plan: list[list[tuple[int, int, str | None, float]]] = []
-    for i in range(num_steps):
-        sde_segs = []
-        for (kind, nl, _), rows in blocks.items():
-            inside = [k for k in rows if win_s[k][0] <= i < win_s[k][1]]
-            if inside:
-                # contiguous by the sort order (equal sizes, ascending starts)
-                assert inside[-1] - inside[0] + 1 == len(inside), "window block not contiguous"
-                sde_segs.append((inside[0], inside[-1] + 1, kind, nl))
-        sde_segs.sort()
-        segs, pos = [], 0
-        for lo, hi, kind, nl in sde_segs:
-            if lo > pos:
-                segs.append((pos, lo, None, 0.0))
-            segs.append((lo, hi, kind, nl))
-            pos = hi
-        if pos < batch:
-            segs.append((pos, batch, None, 0.0))
-        plan.append(segs)
+    plan = _step_plan(reqs_s, win_s, num_steps)
     first = min(s for s, _ in win_s)
     last = max(e for _, e in win_s)
 
@@ -201,6 +182,27 @@ def denoise_wave(
     sig_prev: float | None = None
     i = 0
     while i < num_steps:
+        # Step boundary: rows whose request was cancelled (client gone, deadline) leave the
+        # wave here, so the next forward runs without them. Kept rows stay in sorted order,
+        # so the plan's window blocks stay contiguous.
+        if cancelled is not None:
+            keep = [k for k in range(batch) if not cancelled(order[k])]
+            if not keep:
+                return [None] * len(reqs), forwards, step_s
+            if len(keep) < batch:
+                idx = torch.tensor(keep, device=x.device)
+                x = x.index_select(0, idx)
+                cond = {key: t.index_select(0, idx.to(t.device)) for key, t in cond.items()}
+                xs = [None if t is None else t.index_select(0, idx) for t in xs]
+                lps = [None if t is None else t.index_select(0, idx) for t in lps]
+                if x0_prev is not None:
+                    x0_prev = x0_prev.index_select(0, idx)
+                reqs_s = [reqs_s[k] for k in keep]
+                gens_s = [gens_s[k] for k in keep]
+                win_s = [win_s[k] for k in keep]
+                order = [order[k] for k in keep]
+                batch = len(keep)
+                plan = _step_plan(reqs_s, win_s, num_steps)
         ts = time.monotonic()
         if first <= i <= last:
             xs[i] = x
@@ -257,7 +259,7 @@ def denoise_wave(
     zeros = torch.zeros(batch, dtype=torch.float32, device=x.device)
     logp_all = torch.stack([zeros if lp is None else lp for lp in lps], dim=1)  # (B, steps)
     sig_own = sig_all.clone()
-    trajs: list[Trajectory | None] = [None] * batch
+    trajs: list[Trajectory | None] = [None] * len(reqs)
     for k, r in enumerate(reqs_s):
         s, e = win_s[k]
         b = order[k]
@@ -284,4 +286,36 @@ def denoise_wave(
             negative_prompt=r.negative_prompt,
             params=r.params,
         )
-    return trajs, forwards, step_s  # type: ignore[return-value]
+    return trajs, forwards, step_s
+
+
+def _step_plan(
+    reqs_s: Sequence[RolloutRequest], win_s: Sequence[tuple[int, int]], num_steps: int
+) -> list[list[tuple[int, int, str | None, float]]]:
+    """Per-step plan, small Python ints only: the step's segments [lo, hi) of the sorted rows,
+    each either an ODE segment (kind None) or the SDE block of one (kind, noise level)."""
+    batch = len(reqs_s)
+    blocks: dict[tuple, list[int]] = defaultdict(list)
+    for k, r in enumerate(reqs_s):
+        s, e = win_s[k]
+        blocks[(r.params.sde_kind, r.params.noise_level, e - s)].append(k)
+    plan: list[list[tuple[int, int, str | None, float]]] = []
+    for i in range(num_steps):
+        sde_segs = []
+        for (kind, nl, _), rows in blocks.items():
+            inside = [k for k in rows if win_s[k][0] <= i < win_s[k][1]]
+            if inside:
+                # contiguous by the sort order (equal sizes, ascending starts)
+                assert inside[-1] - inside[0] + 1 == len(inside), "window block not contiguous"
+                sde_segs.append((inside[0], inside[-1] + 1, kind, nl))
+        sde_segs.sort()
+        segs, pos = [], 0
+        for lo, hi, kind, nl in sde_segs:
+            if lo > pos:
+                segs.append((pos, lo, None, 0.0))
+            segs.append((lo, hi, kind, nl))
+            pos = hi
+        if pos < batch:
+            segs.append((pos, batch, None, 0.0))
+        plan.append(segs)
+    return plan

@@ -838,7 +838,8 @@ class OmniModelBase:
         """Rollout weight sync: copy exported tensors (either format) into this model.
 
         LoRA tensors go to ``adapter_name`` (default: the trainable adapter). Unknown names,
-        missing names and shape mismatches are errors that name the tensor."""
+        missing names, shape mismatches, non-float dtypes and NaN/inf values are errors that
+        name the tensor, raised before anything is copied (all or nothing)."""
         if self._lora_configs:
             name = adapter_name or self._trainable_adapter or "default"
             own = self.adapter_state(name)
@@ -854,10 +855,15 @@ class OmniModelBase:
             missing = sorted(set(own) - set(incoming))
             if missing:
                 raise ValueError(f"load_weights: missing tensors, e.g. {missing[:3]}")
+        # Every tensor is checked before any is copied: a rejected update changes nothing.
         for k in sorted(incoming):
             v, p = incoming[k], own[k]
             if tuple(p.shape) != tuple(v.shape):
                 raise ValueError(f"load_weights: {k}: shape {tuple(v.shape)} != {tuple(p.shape)}")
+            if not (v.is_floating_point() and bool(torch.isfinite(v).all())):
+                raise ValueError(f"load_weights: {k}: not floating point, or holds NaN/inf")
+        for k in sorted(incoming):
+            v, p = incoming[k], own[k]
             v = v.to(device=p.device, dtype=p.dtype)
             if hasattr(p, "device_mesh"):  # FSDP2 DTensor: keep this rank's shard
                 from torch.distributed.tensor import distribute_tensor

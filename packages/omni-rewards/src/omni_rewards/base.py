@@ -23,15 +23,18 @@ class MissingDependencyError(ImportError):
     """An optional dependency of a reward is not installed; the message has the pip command."""
 
 
-def require_module(module: str, extra: str, reward: str) -> Any:
-    """Import ``module`` or raise `MissingDependencyError` with ``pip install 'omni-rewards[extra]'``."""
+def require_module(module: str, extra: str, reward: str, *, what: str | None = None) -> Any:
+    """Import ``module`` or raise `MissingDependencyError` with ``pip install 'omni-rewards[extra]'``.
+
+    The message names ``reward 'NAME'``, or ``what`` (e.g. "omni-rewards serve") when given."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError as e:
+        who = what or f"reward {reward!r}"
         raise MissingDependencyError(
-            f"reward {reward!r} needs the python package {module.split('.')[0]!r}, "
+            f"{who} needs the python package {module.split('.')[0]!r}, "
             f"which is not installed: pip install 'omni-rewards[{extra}]'"
         ) from e
 

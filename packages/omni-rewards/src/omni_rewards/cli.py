@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from PIL import Image
 
 from .base import MissingDependencyError
+from .limits import HTTPLimits, RewardLimits
 from .registry import available_rewards, load_reward
 from .types import RewardInput
 
@@ -98,19 +100,75 @@ def _cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()).strip("'\"")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): ``prog: error: ... (see --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_limit_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One ``--flag`` per numeric field of a limits dataclass, its default and help."""
+    for f in dataclasses.fields(cls):
+        if f.type not in ("int", "float"):
+            continue
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=int if f.type == "int" else float,
+            default=f.default,
+            help=f"{f.metadata['help']} (default {f.default:g})",
+        )
+
+
+def limits_from_args(args: argparse.Namespace) -> RewardLimits:
+    """The `RewardLimits` of parsed ``serve`` arguments; SystemExit naming a bad flag."""
+
+    def values(cls: type) -> dict[str, Any]:
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name != "http"}
+
+    try:
+        return RewardLimits(**values(RewardLimits), http=HTTPLimits(**values(HTTPLimits)))
+    except ValueError as exc:
+        name = str(exc).split(" ")[0].split(".")[-1]
+        raise SystemExit(
+            f"omni-rewards serve: --{name.replace('_', '-')}: {_one_line(exc)}"
+        ) from None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from .base import require_module
+
+    if not 0 < args.port < 65536:
+        raise SystemExit(f"omni-rewards serve: --port must be in 1..65535, got {args.port}")
+    if args.max_batch < 1:
+        raise SystemExit(f"omni-rewards serve: --max-batch must be >= 1, got {args.max_batch}")
+    if not 0 <= args.max_wait_ms < float("inf"):
+        raise SystemExit(f"omni-rewards serve: --max-wait-ms must be >= 0, got {args.max_wait_ms}")
+    limits = limits_from_args(args)
+    # a missing extra: main() prints one line
+    require_module("uvicorn", "server", "serve", what="omni-rewards serve")
+    try:
+        reward = load_reward(args.name, **parse_options(args.option))
+    except (SystemExit, KeyboardInterrupt, MissingDependencyError):
+        raise
+    except Exception as exc:  # unknown name, bad option, missing weights: one line
+        raise SystemExit(f"omni-rewards serve {args.name}: {_one_line(exc)}") from None
     from .server import serve
 
-    reward = load_reward(args.name, **parse_options(args.option))
     token = args.token or os.environ.get("OMNI_REWARDS_TOKEN")
     serve(
         reward,
         host=args.host,
         port=args.port,
         token=token,
-        max_request_bytes=int(args.max_request_mb * 1024 * 1024),
         max_batch=args.max_batch,
         max_wait_ms=args.max_wait_ms,
+        limits=limits,
         log_level=args.log_level,
     )
     return 0
@@ -129,7 +187,7 @@ def _cmd_distill(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="omni-rewards", description="Score media with omni-rewards")
+    p = _Parser(prog="omni-rewards", description="Score media with omni-rewards")
     p.add_argument(
         "--version", action="version", version=f"%(prog)s {metadata.version('omni-rewards')}"
     )
@@ -154,10 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8765)
     v.add_argument("--token", default=None, help="bearer token (or env OMNI_REWARDS_TOKEN)")
-    v.add_argument("--max-request-mb", type=float, default=64.0)
-    v.add_argument("--max-batch", type=int, default=64)
-    v.add_argument("--max-wait-ms", type=float, default=5.0)
+    v.add_argument("--max-batch", type=int, default=64, help="most samples per reward batch")
+    v.add_argument("--max-wait-ms", type=float, default=5.0, help="coalescing window")
     v.add_argument("--log-level", default="info")
+    limits = v.add_argument_group("limits (see the README's 'Server limits')")
+    _add_limit_flags(limits, RewardLimits)
+    _add_limit_flags(limits, HTTPLimits)
     v.set_defaults(func=_cmd_serve)
 
     lst = sub.add_parser("list", help="list reward names")

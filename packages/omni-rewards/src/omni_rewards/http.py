@@ -2,8 +2,9 @@
 
 score = whatever the server's reward returns. Inputs: every field the remote reward needs;
 images travel as PNG, latents/audio as safetensors, all in JSON (see `omni_rewards.wire`).
-Retries with exponential backoff on connection errors, 429 and 5xx; 4xx answers raise at
-once with the server's message.
+Retries with exponential backoff on connection errors, 429 (waiting at least the server's
+``Retry-After``, at most 30 s) and 5xx; other 4xx answers raise at once with the server's
+message.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class HTTPReward(Reward):
     def _headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.token}"} if self.token else {}
 
-    def _handle(self, resp: Any, attempt: int) -> RewardOutput | None:
+    def _handle(self, resp: Any, attempt: int) -> RewardOutput | float:
+        """The scores, or the seconds to wait before the next try (429 / 5xx)."""
         if resp.status_code == 200:
             return RewardOutput.from_json(resp.json())
         try:
@@ -63,7 +65,10 @@ class HTTPReward(Reward):
             msg = resp.text
         if resp.status_code == 429 or resp.status_code >= 500:
             if attempt < self.retries:
-                return None
+                delay = self.backoff * 2**attempt
+                hint = resp.headers.get("retry-after", "")
+                # the server's Retry-After (seconds), capped so a bad header cannot stall us
+                return max(delay, min(float(hint), 30.0)) if hint.isdigit() else delay
             raise RewardError(
                 f"{self.url}: HTTP {resp.status_code} after {attempt + 1} tries: {msg}"
             )
@@ -82,8 +87,10 @@ class HTTPReward(Reward):
                         raise RewardError(f"{self.url}: {type(e).__name__}: {e}") from e
                 else:
                     out = self._handle(resp, attempt)
-                    if out is not None:
+                    if isinstance(out, RewardOutput):
                         return out
+                    time.sleep(out)
+                    continue
                 time.sleep(self.backoff * 2**attempt)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -110,7 +117,9 @@ class HTTPReward(Reward):
                     raise RewardError(f"{self.url}: {type(e).__name__}: {e}") from e
             else:
                 out = self._handle(resp, attempt)
-                if out is not None:
+                if isinstance(out, RewardOutput):
                     return out
+                await asyncio.sleep(out)
+                continue
             await asyncio.sleep(self.backoff * 2**attempt)
         raise AssertionError("unreachable")  # pragma: no cover

@@ -24,10 +24,12 @@ from PIL import Image, UnidentifiedImageError
 
 from .types import RewardInput, RewardInputError, as_numpy
 
-__all__ = ["WireError", "decode_input", "encode_input", "encode_png"]
+__all__ = ["WireError", "count_pixels", "decode_input", "encode_input", "encode_png"]
 
 # Max decoded pixels per image (guards against decompression bombs).
 MAX_PIXELS = 64 * 1024 * 1024
+# Highest accepted audio sample rate (Hz); real audio is <= 384 kHz.
+MAX_SAMPLE_RATE = 1_000_000
 
 
 class WireError(ValueError):
@@ -49,7 +51,8 @@ def _b64(s: Any, where: str) -> bytes:
         raise WireError(f"{where}: invalid base64 ({e})") from e
 
 
-def _decode_image(s: Any, where: str) -> np.ndarray:
+def _open_image(s: Any, where: str, decode: bool) -> tuple[int, np.ndarray | None]:
+    """(pixels, RGB array or None): the header is read and checked; decoded if asked."""
     data = _b64(s, where)
     try:
         with Image.open(io.BytesIO(data)) as im:
@@ -59,11 +62,47 @@ def _decode_image(s: Any, where: str) -> np.ndarray:
                 raise WireError(
                     f"{where}: image of {im.width}x{im.height} exceeds {MAX_PIXELS} pixels"
                 )
-            return np.asarray(im.convert("RGB"))
+            return im.width * im.height, np.asarray(im.convert("RGB")) if decode else None
     except WireError:
         raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except (
+        UnidentifiedImageError,
+        OSError,
+        SyntaxError,
+        ValueError,
+        Image.DecompressionBombError,
+    ) as e:
         raise WireError(f"{where}: cannot decode image bytes ({type(e).__name__}: {e})") from e
+
+
+def _decode_image(s: Any, where: str) -> np.ndarray:
+    return _open_image(s, where, decode=True)[1]  # type: ignore[return-value]
+
+
+def count_pixels(obj: Any) -> int:
+    """The pixels a request's images and video frames decode to, from their headers alone
+    (nothing is decoded): what the server holds a request's pixel budget to before it
+    decodes anything. WireError naming the field for a malformed image."""
+    if not isinstance(obj, dict):
+        return 0
+    total = 0
+    images = obj.get("images")
+    if isinstance(images, list):
+        total += sum(_open_image(s, f"images[{i}]", False)[0] for i, s in enumerate(images))
+    videos = obj.get("videos")
+    if isinstance(videos, list):
+        for i, v in enumerate(videos):
+            if isinstance(v, list):
+                total += sum(_open_image(s, f"videos[{i}][{t}]", False)[0] for t, s in enumerate(v))
+    return total
+
+
+def _sample_rate(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SAMPLE_RATE:
+        raise WireError(
+            f"sample_rate: expected an integer in 1..{MAX_SAMPLE_RATE} (Hz), got {value!r:.40}"
+        )
+    return value
 
 
 def _encode_tensor(x: Any) -> str:
@@ -177,12 +216,11 @@ def decode_input(obj: Any) -> RewardInput:
         if a.ndim not in (2, 3):
             raise WireError(f"audio: expected (B, N) or (B, C, N), got shape {a.shape}")
         kw["audio"] = a
-        sr = obj.get("sample_rate")
-        if not isinstance(sr, int) or isinstance(sr, bool) or sr <= 0:
-            raise WireError(f"sample_rate: expected a positive int with audio, got {sr!r}")
-        kw["sample_rate"] = sr
-    elif "sample_rate" in obj:
-        kw["sample_rate"] = obj["sample_rate"]
+        if obj.get("sample_rate") is None:
+            raise WireError("sample_rate: required with audio (an integer, Hz)")
+        kw["sample_rate"] = _sample_rate(obj["sample_rate"])
+    elif obj.get("sample_rate") is not None:
+        kw["sample_rate"] = _sample_rate(obj["sample_rate"])
     for name in ("texts", "prompts"):
         if name in obj:
             kw[name] = _str_list(obj[name], name)

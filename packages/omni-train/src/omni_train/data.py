@@ -16,6 +16,12 @@ rows seeded by (seed, e). Resuming at step s therefore needs no saved data-loade
 
 Images are checked (opened, header read) when the file is read and decoded to uint8 RGB
 ``(H, W, 3)`` when a step uses them.
+
+Every problem is one `RecipeError` naming the file and the line (or row): a file that is not
+UTF-8 (the byte and column; a UTF-16 file is named as such), a string that is not valid
+Unicode (a lone surrogate escaped in JSON), a prompt longer than `MAX_PROMPT_CHARS`
+characters (text encoders keep a few hundred tokens; tokenising a megabyte first takes
+minutes), a path that is a directory or not a regular file.
 """
 
 from __future__ import annotations
@@ -32,9 +38,84 @@ import torch
 from .recipe import DataConfig, RecipeError
 from .seeds import DOMAIN_DATA, derive_seed
 
-__all__ = ["DataRow", "ImageRef", "PromptData", "read_data_file", "read_prompt_file"]
+__all__ = [
+    "MAX_PROMPT_CHARS",
+    "DataRow",
+    "ImageRef",
+    "PromptData",
+    "check_prompt",
+    "data_file",
+    "read_data_file",
+    "read_prompt_file",
+    "read_text_lines",
+]
 
 PARQUET_HINT = "pip install 'omni-train[parquet]' (or: pip install pyarrow)"
+
+#: the longest prompt accepted, in characters (the longest text encoder input here is 512
+#: tokens; a token is rarely more than a dozen characters)
+MAX_PROMPT_CHARS = 16_384
+
+
+def data_file(path: str | Path, key: str, what: str = "") -> Path:
+    """``path`` as a readable regular file; RecipeError naming ``key`` otherwise (missing, a
+    directory, a FIFO or device, unreadable). ``what`` prefixes the path in the message."""
+    p = Path(path).expanduser()
+    label = f"{what} {p}" if what else str(p)
+    try:
+        if not p.exists():
+            raise RecipeError(f"{key}: {label} does not exist")
+        if p.is_dir():
+            raise RecipeError(f"{key}: {label} is a directory, not a file")
+        if not p.is_file():
+            raise RecipeError(f"{key}: {label} is not a regular file")
+    except OSError as exc:  # e.g. a path too long, or a folder we may not list
+        raise RecipeError(f"{key}: {label}: {exc.strerror or exc}") from None
+    return p
+
+
+def read_text_lines(p: Path, key: str) -> list[tuple[int, str]]:
+    """``(line number, line)`` of a UTF-8 text file (a UTF-8 BOM is allowed, line ends
+    ``\\n`` or ``\\r\\n``); RecipeError naming the file and line for bytes that are not UTF-8."""
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise RecipeError(f"{key} {p}: cannot read ({exc.strerror or exc})") from None
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise RecipeError(
+            f"{key} {p}: the file is UTF-16 (it starts with a UTF-16 BOM); save it as UTF-8"
+        )
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        offset = exc.start - (data.rfind(b"\n", 0, exc.start) + 1)
+        raise RecipeError(
+            f"{key} {p}, line {line}: not UTF-8 (byte 0x{data[exc.start]:02x} at byte "
+            f"{offset} of the line); save the file as UTF-8"
+        ) from None
+    return [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), start=1)]
+
+
+def check_prompt(prompt: str, where: str, field_name: str = "prompt") -> str:
+    """``prompt`` if it is valid Unicode, has no NUL and is at most `MAX_PROMPT_CHARS` long;
+    RecipeError naming ``where`` otherwise."""
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise RecipeError(
+            f"{where}: '{field_name}' has {len(prompt)} characters, more than the "
+            f"{MAX_PROMPT_CHARS} allowed (text encoders keep a few hundred tokens)"
+        )
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RecipeError(
+            f"{where}: '{field_name}' is not valid Unicode ({exc.reason} at character "
+            f"{exc.start}: {prompt[exc.start]!r})"
+        ) from None
+    if "\x00" in prompt:
+        raise RecipeError(f"{where}: '{field_name}' holds a NUL character")
+    return prompt
 
 
 @dataclass(frozen=True)
@@ -55,19 +136,23 @@ class ImageRef:
 
     def check(self) -> None:
         """Open the image and read its header; RecipeError naming the row when that fails."""
+        from PIL import Image
+
         try:
             with self._open() as im:
                 im.size  # noqa: B018 - the header is read on open
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
             what = f"image {self.path}" if self.path is not None else "image bytes"
             raise RecipeError(f"{self.where}: {what}: {exc}") from None
 
     def load(self) -> np.ndarray:
         """The image as uint8 RGB ``(H, W, 3)``."""
+        from PIL import Image
+
         try:
             with self._open() as im:
                 return np.asarray(im.convert("RGB"), dtype=np.uint8).copy()
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
             what = f"image {self.path}" if self.path is not None else "image bytes"
             raise RecipeError(f"{self.where}: {what}: {exc}") from None
 
@@ -82,9 +167,7 @@ class DataRow:
 
 def _image_path(value: str, base: Path, where: str) -> ImageRef:
     ip = Path(value).expanduser()
-    ip = ip if ip.is_absolute() else base / ip
-    if not ip.is_file():
-        raise RecipeError(f"{where}: image {ip} does not exist")
+    ip = data_file(ip if ip.is_absolute() else base / ip, where, "image")
     ref = ImageRef(where, path=ip)
     ref.check()
     return ref
@@ -92,16 +175,17 @@ def _image_path(value: str, base: Path, where: str) -> ImageRef:
 
 def _read_jsonl(p: Path, key: str) -> list[DataRow]:
     rows = []
-    for lineno, line in enumerate(p.read_text().splitlines(), start=1):
+    for lineno, line in read_text_lines(p, key):
         if not line.strip():
             continue
         where = f"{key} {p}, line {lineno}"
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise RecipeError(f"{where}: not valid JSON ({exc})") from None
+        except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+            raise RecipeError(f"{where}: not valid JSON ({type(exc).__name__}: {exc})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise RecipeError(f"{where}: needs a string 'prompt' field")
+        check_prompt(row["prompt"], where)
         image = row.get("image")
         if image is not None and (not isinstance(image, str) or not image.strip()):
             raise RecipeError(
@@ -130,7 +214,8 @@ def _read_parquet(p: Path, key: str) -> list[DataRow]:
     for i, (prompt, image) in enumerate(zip(prompts, images)):
         where = f"{key} {p}, row {i} (0-based)"
         if not isinstance(prompt, str):
-            raise RecipeError(f"{where}: 'prompt' must be a string, got {prompt!r}")
+            raise RecipeError(f"{where}: 'prompt' must be a string, got {prompt!r:.80}")
+        check_prompt(prompt, where)
         if isinstance(image, dict):  # the datasets Image feature: {"bytes", "path"}
             image = image.get("bytes") or image.get("path")
         if image is None:
@@ -152,11 +237,13 @@ def _read_parquet(p: Path, key: str) -> list[DataRow]:
 def read_data_file(path: str | Path, key: str = "data.file") -> list[DataRow]:
     """Rows (prompt, optional image) of a .txt, .jsonl or .parquet file; errors name `key`
     and the line / row."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise RecipeError(f"{key}: {p} does not exist")
+    p = data_file(path, key)
     if p.suffix == ".txt":
-        rows = [DataRow(line.strip()) for line in p.read_text().splitlines() if line.strip()]
+        rows = [
+            DataRow(check_prompt(line.strip(), f"{key} {p}, line {n}"))
+            for n, line in read_text_lines(p, key)
+            if line.strip()
+        ]
     elif p.suffix == ".parquet":
         rows = _read_parquet(p, key)
     else:
@@ -191,6 +278,9 @@ class PromptData:
     @classmethod
     def from_config(cls, cfg: DataConfig, seed: int) -> PromptData:
         if cfg.prompts is not None:
+            for i, prompt in enumerate(cfg.prompts):
+                if isinstance(prompt, str):
+                    check_prompt(prompt, f"data.prompts[{i}]")
             return cls(list(cfg.prompts), cfg.prompts_per_step, seed, cfg.shuffle)
         rows = read_data_file(cfg.file)  # type: ignore[arg-type]
         images = [r.image for r in rows]

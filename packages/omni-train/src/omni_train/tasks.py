@@ -12,7 +12,8 @@ accuracy on it is 0.25.
 
 JSONL files (the MMK12 fields, one row per question): one object per line with ``prompt``
 (the question), ``answer`` (the reference) and optionally ``image`` (a PNG/JPEG path relative
-to the file's folder). Bad rows are reported by line number.
+to the file's folder). Bad rows are reported by file and line number, as in
+`omni_train.data` (UTF-8 only, prompts up to `omni_train.data.MAX_PROMPT_CHARS` characters).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from .data import check_prompt, data_file, read_text_lines
 from .recipe import RecipeError
 from .seeds import derive_seed
 
@@ -138,32 +140,39 @@ def read_omni_file(path: str | Path, key: str = "data.file") -> list[OmniItem]:
     """Items from a JSONL file of {"prompt", "answer", "image"?} rows (MMK12 format)."""
     from PIL import Image
 
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise RecipeError(f"{key}: {p} does not exist")
+    p = data_file(path, key)
     items = []
-    for lineno, line in enumerate(p.read_text().splitlines(), start=1):
+    for lineno, line in read_text_lines(p, key):
         if not line.strip():
             continue
+        where = f"{key} {p}, line {lineno}"
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise RecipeError(f"{key} {p}, line {lineno}: not valid JSON ({exc})") from None
+        except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+            raise RecipeError(f"{where}: not valid JSON ({type(exc).__name__}: {exc})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise RecipeError(f"{key} {p}, line {lineno}: needs a string 'prompt' field")
+            raise RecipeError(f"{where}: needs a string 'prompt' field")
+        check_prompt(row["prompt"], where)
         answer = row.get("answer")
         if isinstance(answer, int | float) and not isinstance(answer, bool):
             answer = str(answer)
         if not isinstance(answer, str) or not answer.strip():
-            raise RecipeError(f"{key} {p}, line {lineno}: needs a non-empty 'answer' field")
+            raise RecipeError(f"{where}: needs a non-empty 'answer' field")
+        check_prompt(answer, where, "answer")
         image = None
         if row.get("image") is not None:
-            ip = Path(str(row["image"])).expanduser()
-            ip = ip if ip.is_absolute() else p.parent / ip
+            if not isinstance(row["image"], str) or not row["image"].strip():
+                raise RecipeError(
+                    f"{where}: 'image' must be a PNG/JPEG path (relative to the file), got "
+                    f"{row['image']!r:.80}"
+                )
+            ip = Path(row["image"]).expanduser()
+            ip = data_file(ip if ip.is_absolute() else p.parent / ip, where, "image")
             try:
-                image = np.asarray(Image.open(ip).convert("RGB"), dtype=np.uint8)
-            except (OSError, ValueError) as exc:
-                raise RecipeError(f"{key} {p}, line {lineno}: image {ip}: {exc}") from None
+                with Image.open(ip) as im:
+                    image = np.asarray(im.convert("RGB"), dtype=np.uint8)
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+                raise RecipeError(f"{where}: image {ip}: {exc}") from None
         items.append(OmniItem(row["prompt"], answer, image))
     if not items:
         raise RecipeError(f"{key} {p}: no rows")
