@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .engine import EmbeddedEngine
+from .lora import LoraSpec, ensure_lora
 
-__all__ = ["build_parser", "build_server", "main"]
+__all__ = ["build_parser", "build_server", "lora_spec_from_args", "main"]
 
 TOKEN_ENV = "DIFFUSION_ROLLOUT_TOKEN"
 
@@ -63,7 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--token", default=None, help=f"bearer token (prefer the {TOKEN_ENV} environment variable)"
     )
     serve.add_argument("--log-level", default="info")
+    # The LoRA adapter pushed weights fill (else the first update's lora_config adds it).
+    serve.add_argument("--lora-rank", type=int, default=None, help="LoRA rank r")
+    serve.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (scale a/r)")
+    serve.add_argument(
+        "--lora-targets",
+        default=None,
+        help="comma-separated LoRA target modules (default: the model's own)",
+    )
     return parser
+
+
+def lora_spec_from_args(args: argparse.Namespace) -> LoraSpec | None:
+    """The `LoraSpec` of ``--lora-rank/--lora-alpha/--lora-targets`` (None without them)."""
+    rank, alpha, targets = args.lora_rank, args.lora_alpha, args.lora_targets
+    if rank is None and alpha is None and targets is None:
+        return None
+    if rank is None or alpha is None:
+        raise SystemExit("--lora-rank and --lora-alpha go together (alpha is never guessed)")
+    names = tuple(t.strip() for t in (targets or "").split(",") if t.strip())
+    try:
+        return LoraSpec(rank, alpha, names)
+    except ValueError as exc:
+        raise SystemExit(f"--lora-*: {exc}") from None
 
 
 def build_server(
@@ -78,7 +101,10 @@ def build_server(
     if args.max_num_seqs < 1:
         raise SystemExit(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     factory = denoiser_factory or _load_with_omni_adapters
+    lora = lora_spec_from_args(args)
     denoiser = factory(args.model, args.device)
+    if lora is not None:
+        ensure_lora(denoiser, lora)
     engine = EmbeddedEngine(
         denoiser,
         max_num_seqs=args.max_num_seqs,

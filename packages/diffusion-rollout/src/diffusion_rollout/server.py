@@ -9,6 +9,9 @@ Endpoints (JSON errors are ``{"error": message, "field": name-or-null, "kind": .
   409 = weights version mismatch; 503 = aborted (retry); 500 = the model failed.
 - ``POST /update_weights``: safetensors bytes of name -> tensor, version in the blob's
   metadata ``version`` or the query ``?version=N``; answers ``{"version", "checksum"}``.
+  Metadata ``lora_config`` (JSON ``{"rank", "alpha", "target_modules"}``): the LoRA adapter
+  the tensors need, added first when the served model has none (400 ``lora_config`` when
+  LoRA tensors come without one, or it contradicts the tensors or the adapter there).
 - ``GET /health``: ``{"status": "ok", "version"}`` (no token needed).
 - ``GET /stats``: the engine's ``stats()``.
 
@@ -30,6 +33,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .lora import METADATA_KEY as LORA_METADATA_KEY
+from .lora import LoraSpec
 from .params import RolloutRequest
 from .types import RequestAborted, VersionMismatchError
 from .wave import check_images
@@ -133,9 +138,17 @@ def create_app(engine: Any, *, token: str | None = None, max_body_mb: float = 20
             version = int(raw)
         except ValueError:
             return _error(400, f"version must be an integer, got {raw!r}", field="version")
+        lora_kw: dict[str, Any] = {}
+        if meta.get(LORA_METADATA_KEY):
+            try:
+                lora_kw["lora"] = LoraSpec.from_json(meta[LORA_METADATA_KEY])
+            except ValueError as exc:
+                return _error(400, str(exc), field="lora_config")
         try:
-            await asyncio.to_thread(engine.update_weights, tensors, version)
+            await asyncio.to_thread(engine.update_weights, tensors, version, **lora_kw)
         except ValueError as exc:
+            if str(exc).startswith("lora_config"):
+                return _error(400, str(exc), field="lora_config")
             return _error(409 if "not newer" in str(exc) else 400, str(exc), field="version")
         except (KeyError, TypeError, RuntimeError) as exc:
             return _error(400, f"weights rejected: {exc}", field="body")
