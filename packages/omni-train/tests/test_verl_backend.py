@@ -336,13 +336,18 @@ def test_registration_module_for_verl_workers():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @needs_verl
 def test_full_verl_run_on_tiny_thinker(tmp_path):
+    """verl's PPO trainer, 2 steps on the tiny thinker (benchmarks/device/verl_ppo_tiny.sh:
+    its rollout is a vLLM server, so it needs a GPU and verl[vllm])."""
     r = omni_recipe(
         tmp_path,
         model={"path": str(tmp_path / "thinker"), "tiny": "qwen3_omni_thinker"},
+        data={"prompts_per_step": 2},
+        algorithm={"num_minibatches": 1},
+        rollout={"n": 2, "max_new_tokens": 4},
         trainer={
-            "steps": 1,
+            "steps": 2,
             "gpus_per_node": 1,
-            "verl": {"data.max_response_length": 32, "data.max_prompt_length": 64},
+            "verl": {"actor_rollout_ref.rollout.gpu_memory_utilization": 0.3},
         },
     )
     vb.run_verl(r, tmp_path / "run")

@@ -563,14 +563,15 @@ def run_verl(recipe: Recipe, run_dir: str | Path | None = None) -> list[dict[str
             "environment with `UV_PROJECT_ENVIRONMENT=.venv-verl uv sync --extra verl` "
             "(docs/scaling.md)"
         )
-    run = Path(run_dir) if run_dir is not None else recipe.output_dir()
+    run = (Path(run_dir) if run_dir is not None else recipe.output_dir()).resolve()
     register_into_verl()
     train, val = write_dataset(recipe, run / "verl_data")
     model = export_thinker(recipe, run / "verl_model")
     cfg = build_verl_config(recipe, model_path=model, train_files=train, val_files=val, run_dir=run)
     (run / "verl_config.json").write_text(json.dumps(cfg, indent=1))
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *to_overrides(cfg)]
-    res = subprocess.run(cmd, check=False)
+    # Hydra writes its outputs/ folder into the working directory: the run folder, not the caller's.
+    res = subprocess.run(cmd, check=False, cwd=run)
     if res.returncode:
         raise TrainError(
             f"verl's PPO trainer exited with {res.returncode}: {' '.join(cmd[:4])} ..."
