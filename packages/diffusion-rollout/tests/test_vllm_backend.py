@@ -247,6 +247,9 @@ def test_startup_warmup_request_gets_an_empty_output(served):
     )
     (out,) = pipeline.forward(DiffusionRequestBatch([dummy]))
     assert isinstance(out, DiffusionOutput) and out.error is None and out.output is None
+    dummy.request_id = "not-a-warmup"  # any other request without rollout data is refused
+    with pytest.raises(ValueError, match=r"must come from diffusion_rollout\.VllmOmniEngine"):
+        pipeline.forward(DiffusionRequestBatch([dummy]))
 
 
 def test_output_errors_name_the_cause(served):

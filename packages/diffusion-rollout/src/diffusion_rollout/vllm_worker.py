@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
 
+from .lora import LoraSpec, ensure_lora
 from .params import RolloutRequest
 from .vllm_backend import EXTRA_KEY, request_from_omni
 from .wave import denoise_wave
@@ -82,9 +83,12 @@ def rollout_output(traj: Any) -> DiffusionOutput:
     return DiffusionOutput(output={"payload": payload, "metadata": {EXTRA_KEY: meta}}, to_cpu=True)
 
 
-def _warmup_request(sampling_params: Any) -> bool:
-    """vllm-omni's startup warmup sends a request of its own (no rollout data)."""
-    return EXTRA_KEY not in (getattr(sampling_params, "extra_args", None) or {})
+def _warmup_request(request: Any) -> bool:
+    """vllm-omni's startup warmup sends a request of its own (its dummy-run id, no rollout
+    data); any other request without rollout data is an error (`request_from_omni`)."""
+    is_dummy = getattr(request, "is_dummy_run", None)
+    extra = getattr(request.sampling_params, "extra_args", None) or {}
+    return callable(is_dummy) and is_dummy() and EXTRA_KEY not in extra
 
 
 class RolloutPipeline(nn.Module):
@@ -114,17 +118,8 @@ class RolloutPipeline(nn.Module):
             options = dict(args.get("denoiser_options") or {})
             options.setdefault("dtype", getattr(od_config, "dtype", torch.float32))
             denoiser = factory(od_config.model, **options)
-        lora = args.get("lora")
-        if lora:
-            if not hasattr(denoiser, "add_lora"):
-                raise ValueError(
-                    f"custom_pipeline_args.lora: {type(denoiser).__name__} has no add_lora"
-                )
-            denoiser.add_lora(
-                int(lora["rank"]),
-                float(lora.get("alpha", lora["rank"])),
-                target_modules=lora.get("target_modules") or None,
-            )
+        if args.get("lora"):
+            ensure_lora(denoiser, LoraSpec.from_dict(args["lora"]))
         self.od_config = od_config
         self.prefix = prefix
         #: nothing for vllm-omni's loader to read from disk: the factory loaded the weights
@@ -165,7 +160,7 @@ class RolloutPipeline(nn.Module):
         outputs: list[DiffusionOutput | None] = [None] * len(items)
         groups: dict[tuple, list[tuple[int, RolloutRequest]]] = defaultdict(list)
         for i, item in enumerate(items):
-            if _warmup_request(item.sampling_params):
+            if _warmup_request(item):
                 outputs[i] = DiffusionOutput()
                 continue
             request, version = request_from_omni(item.sampling_params)
