@@ -19,7 +19,7 @@ from omni_train.recipe import RecipeError, recipe_from_dict
 
 needs_verl = pytest.mark.skipif(
     not vb.verl_available(),
-    reason="verl is not importable here: run in .venv-verl (docs/scaling.md)",
+    reason="verl is not importable here: run `uv run nox -s tests-verl` (docs/scaling.md)",
 )
 
 
