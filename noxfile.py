@@ -8,6 +8,7 @@
     uv run nox -s contracts      docs/architecture.md's import rules (import-linter, root pyproject)
     uv run nox -s standalone     each package's wheel alone in a fresh venv, its tests there
     uv run nox -s tests-verl     the verl backend's tests in the lock's verl environment
+    uv run nox -s tests-vllm-omni  the vllm-omni backend's tests in the lock's vllm-omni environment
     uv run nox -s bench          the benchmark scripts (print measured ratios)
     uv run nox -s soak           both servers under 500 clients + malformed traffic (prints)
 
@@ -224,24 +225,47 @@ def standalone(session: nox.Session) -> None:
     _run_timed(session, packages, install_and_test)
 
 
-@nox.session(name="tests-verl", venv_backend="none")
-def tests_verl(session: nox.Session) -> None:
-    """The verl hand-off's registry tests, in verl's own environment: verl pins transformers
-    < 5.11, so it gets the lock's `verl` fork in a separate venv instead of the workspace's."""
-    env_dir = ROOT / ".nox" / "verl-env"
+def _fork_env(session: nox.Session, extra: str) -> Path:
+    """A venv (.nox/<extra>-env) synced from uv.lock with the root `extra`: the lock's fork for
+    a backend that cannot share the workspace's environment."""
+    env_dir = ROOT / ".nox" / f"{extra}-env"
     session.run(
         "uv",
         "sync",
         "--locked",
         "--quiet",
         "--extra",
-        "verl",
+        extra,
         env={"UV_PROJECT_ENVIRONMENT": str(env_dir)},
         external=True,
     )
+    return env_dir
+
+
+@nox.session(name="tests-verl", venv_backend="none")
+def tests_verl(session: nox.Session) -> None:
+    """The verl hand-off's tests, in verl's own environment: verl pins transformers < 5.11, so
+    it gets the lock's `verl` fork in a separate venv instead of the workspace's."""
+    env_dir = _fork_env(session, "verl")
     test_file = "packages/omni-train/tests/test_verl_backend.py"
     _pytest(
         session, str(env_dir / "bin" / "python"), "omni-train", *session.posargs, target=test_file
+    )
+
+
+@nox.session(name="tests-vllm-omni", venv_backend="none")
+def tests_vllm_omni(session: nox.Session) -> None:
+    """The vllm-omni backend's contract tests against vllm-omni's own classes, in the lock's
+    `vllm-omni` fork (vllm-omni 0.30 + vLLM 0.30 pin transformers, diffusers and torch apart
+    from the workspace)."""
+    env_dir = _fork_env(session, "vllm-omni")
+    test_file = "packages/diffusion-rollout/tests/test_vllm_backend.py"
+    _pytest(
+        session,
+        str(env_dir / "bin" / "python"),
+        "diffusion-rollout",
+        *session.posargs,
+        target=test_file,
     )
 
 

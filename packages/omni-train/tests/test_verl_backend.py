@@ -1,8 +1,10 @@
 """backend verl: config generation and our losses/advantages/rewards in verl's signatures.
 
-The config and signature tests need no verl. The registry tests need verl itself (its own
-environment, see docs/scaling.md) and are skipped only when verl cannot be imported; the full
-run is a `gpu` test.
+The config and signature tests need no verl. The rest needs verl itself and runs in the lock's
+verl environment (`nox -s tests-verl`): verl's own `ppo_trainer.yaml` composed with every
+override we generate and checked by verl's `validate_config`, the reward function verl loads,
+verl's registries, and verl's `RLHFDataset` reading the parquet we write (images included).
+They are skipped only where verl cannot be imported; the full run is a `gpu` test.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from omni_train.recipe import RecipeError, recipe_from_dict
 
 needs_verl = pytest.mark.skipif(
     not vb.verl_available(),
-    reason="verl is not importable here: run in .venv-verl (docs/scaling.md)",
+    reason="verl is not importable here: run `uv run nox -s tests-verl` (docs/scaling.md)",
 )
 
 
@@ -26,8 +28,14 @@ def omni_recipe(tmp, **over):
         "experiment": "omni-gspo",
         "model": {"path": str(tmp / "thinker")},
         "lora": {"rank": 16, "alpha": 32},
-        "data": {"prompts": ["1+1?", "2+2?", "3+3?", "4+4?"], "prompts_per_step": 4},
-        "reward": {"name": "math"},
+        "data": {
+            "task": "shapes",
+            "task_options": {"image_size": 32},
+            "task_size": 8,
+            "val_size": 4,
+            "prompts_per_step": 4,
+        },
+        "reward": {"name": "choice", "options": {"letters": "ABCD"}, "extract": "first_letter"},
         "algorithm": {
             "name": "gspo",
             "clip_range": 0.2,
@@ -36,7 +44,7 @@ def omni_recipe(tmp, **over):
             "options": {"clip_low": 3e-4, "clip_high": 4e-4},
         },
         "optimizer": {"lr": 1e-6},
-        "rollout": {"n": 8},
+        "rollout": {"n": 8, "max_new_tokens": 16, "temperature": 0.9, "val_temperature": 0.0},
         "trainer": {
             "backend": "verl",
             "steps": 7,
@@ -65,30 +73,83 @@ def test_config_from_recipe(tmp_path):
     assert arr["model"]["lora_rank"] == 16 and arr["model"]["lora_alpha"] == 32
     assert arr["model"]["external_lib"] == "omni_train.backends.verl_register"
     assert arr["rollout"]["n"] == 8 and arr["rollout"]["gpu_memory_utilization"] == 0.4
+    assert arr["rollout"]["temperature"] == 0.9
+    assert arr["rollout"]["val_kwargs"] == {"temperature": 0.0, "top_p": 1.0, "do_sample": False}
     assert cfg["data"]["train_batch_size"] == 4 and cfg["data"]["max_response_length"] == 512
+    assert cfg["data"]["image_key"] == "images"
     assert cfg["algorithm"]["adv_estimator"] == "omni_group"
     assert cfg["algorithm"]["norm_adv_by_std_in_grpo"] is True
     assert cfg["trainer"]["n_gpus_per_node"] == 4 and cfg["trainer"]["total_training_steps"] == 7
-    assert cfg["custom_reward_function"]["name"] == "omni_compute_score"
-    assert cfg["custom_reward_function"]["reward_kwargs"] == {"reward": "math", "options": {}}
+    fn = cfg["reward"]["custom_reward_function"]
+    assert fn["path"] == "pkg://omni_train.backends.verl_backend"
+    assert fn["name"] == "omni_compute_score"
+    assert fn["reward_kwargs"] == {
+        "reward": "choice",
+        "options": {"letters": "ABCD"},
+        "extract": "first_letter",
+    }
+    assert "custom_reward_function" not in cfg and "reward_model" not in cfg  # verl 0.9: legacy
     ov = vb.to_overrides(cfg)
     assert "actor_rollout_ref.actor.policy_loss.loss_mode=omni_gspo" in ov
     assert "trainer.logger=[console]" in ov
-    assert "custom_reward_function.reward_kwargs={reward:math,options:{}}" in ov
-    assert f"custom_reward_function.path={vb.__file__}" in ov or any(
-        o.startswith("custom_reward_function.path=") and o.endswith("verl_backend.py'") for o in ov
-    )
+    assert (
+        "++reward.custom_reward_function.reward_kwargs="
+        "{reward:choice,options:{letters:ABCD},extract:first_letter}"
+    ) in ov
+    assert "reward.custom_reward_function.path='pkg://omni_train.backends.verl_backend'" in ov
     assert vb._hydra("it's a b") == "'it\\'s a b'" and vb._hydra([1, True, None]) == "[1,true,null]"
     assert len(ov) == len(set(o.split("=")[0] for o in ov))
 
 
-def test_config_rejects_non_omni_losses(tmp_path):
-    with pytest.raises(RecipeError, match=r"algorithm\.name"):
-        vb.build_verl_config(omni_recipe(tmp_path, algorithm={"name": "flow_grpo"}))
+def test_config_rejects_what_verl_cannot_run(tmp_path):
+    # what verl cannot run stops at the recipe check, by key (the algorithm table)
+    with pytest.raises(RecipeError, match=r"trainer\.backend: flow_grpo runs on local, ray"):
+        vb.build_verl_config(
+            omni_recipe(
+                tmp_path,
+                algorithm={"name": "flow_grpo"},
+                data={"task": None, "prompts": ["a cat"]},
+                reward={"name": "brightness", "options": {}, "extract": "response"},
+            )
+        )
     r = omni_recipe(tmp_path, algorithm={"name": "grpo", "options": {}})
     cfg = vb.build_verl_config(r)
     assert cfg["actor_rollout_ref"]["actor"]["policy_loss"]["loss_mode"] == "omni_grpo"
     assert cfg["actor_rollout_ref"]["actor"]["loss_agg_mode"] == "token-mean"
+    with pytest.raises(RecipeError, match=r"rollout\.allowed_tokens"):
+        vb.build_verl_config(omni_recipe(tmp_path, rollout={"allowed_tokens": ["A", "B"]}))
+    with pytest.raises(RecipeError, match=r"data\.prompts"):
+        vb.build_verl_config(omni_recipe(tmp_path, data={"task": None, "prompts": ["1+1?"]}))
+
+
+def test_items_from_task_and_jsonl(tmp_path):
+    """The verl hand-off reads the omni loop's items: a generated task's train / held-out val
+    splits, or a JSONL file with and without images."""
+    from PIL import Image
+
+    from omni_train.tasks import shapes_task
+
+    train, val = vb.omni_items(omni_recipe(tmp_path))
+    assert len(train) == 8 and len(val) == 4
+    assert [it.answer for it in train] == [it.answer for it in shapes_task("train", 8, 0, 32)]
+    assert all(it.image is not None and it.image.shape == (32, 32, 3) for it in train)
+    Image.fromarray(train[0].image).save(tmp_path / "q0.png")
+    (tmp_path / "qa.jsonl").write_text(
+        '{"prompt": "What is 2+2?", "answer": "4"}\n'
+        '{"prompt": "How many shapes?", "answer": "B", "image": "q0.png"}\n'
+    )
+    r = omni_recipe(tmp_path, data={"task": None, "file": str(tmp_path / "qa.jsonl")})
+    rows, val_rows = vb.omni_items(r)
+    assert [it.answer for it in rows] == ["4", "B"] and rows[0].image is None
+    assert (rows[1].image == train[0].image).all() and len(val_rows) == 2
+
+
+def test_compute_score_extracts_the_choice_letter():
+    kw = {"reward": "choice", "options": {"letters": "ABCD"}}
+    assert vb.omni_compute_score("omni", "(B) two shapes", "B", extract="first_letter", **kw) == 1
+    assert vb.omni_compute_score("omni", "Bob says C", "B", extract="first_letter", **kw) == 0
+    with pytest.raises(ValueError, match="extract"):
+        vb.omni_compute_score("omni", "B", "B", extract="last", **kw)
 
 
 def _batch(seed=0, B=4, T=6):
@@ -154,12 +215,96 @@ def test_run_without_verl_says_how(tmp_path, monkeypatch):
         train(omni_recipe(tmp_path))  # omni recipe + backend verl dispatches to run_verl
 
 
+def _compose(overrides):
+    """verl's own `ppo_trainer` config (its installed YAMLs) with `overrides`, as
+    `python -m verl.trainer.main_ppo` composes it."""
+    from pathlib import Path
+
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    config_dir = Path(verl.__file__).parent / "trainer" / "config"
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return compose("ppo_trainer", overrides=list(overrides))
+
+
+def _leaves(cfg, prefix=""):
+    for k, v in cfg.items():
+        key = prefix + k
+        if isinstance(v, dict) and v and key not in vb.ADDED_KEYS:
+            yield from _leaves(v, key + ".")
+        else:
+            yield key, v
+
+
+@needs_verl
+def test_verl_config_accepts_every_override(tmp_path):
+    """verl's Hydra config takes every override we generate, each value lands on the key verl
+    reads, verl's `validate_config` passes, and the reward function verl loads from the config
+    is ours with our keyword arguments."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    r = omni_recipe(tmp_path, trainer={"gpus_per_node": 1}, algorithm={"kl_beta": 0.01})
+    cfg = vb.build_verl_config(r)
+    conf = _compose(vb.to_overrides(cfg))
+    leaves = dict(_leaves(cfg))
+    assert len(leaves) == len(vb.to_overrides(cfg))
+    for key, want in leaves.items():
+        got = OmegaConf.select(conf, key, throw_on_missing=True)
+        got = OmegaConf.to_container(got) if OmegaConf.is_config(got) else got
+        assert got == want, key
+    # validate_config's last check bounds the LoRA rank by vLLM's largest (512) and imports vllm
+    # for it, which verl's CPU environment lacks: it runs on a copy without LoRA, the bound here.
+    assert 0 < conf.actor_rollout_ref.model.lora_rank <= 512
+    no_lora = OmegaConf.merge(conf, {"actor_rollout_ref": {"model": {"lora_rank": 0}}})
+    validate_config(no_lora, use_reference_policy=need_reference_policy(conf), use_critic=False)
+    assert need_reference_policy(conf) and not need_critic(conf)  # kl loss: ref policy, GRPO-style
+    score = get_custom_reward_fn(conf)
+    assert score("omni", "(B) two", "B", {"prompt": "How many?"}) == 1.0
+    assert score("omni", "Bob: C", "B", {"prompt": "How many?"}) == 0.0
+
+
+@needs_verl
+def test_verl_dataset_reads_our_parquet_with_images(tmp_path):
+    """verl's RLHFDataset, given the exported tiny thinker's processor, reads the parquet we
+    write: every row survives its length filter (the image is processed), and the chat message
+    carries the image itself in front of the question."""
+    import numpy as np
+    from transformers import AutoProcessor
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    r = omni_recipe(
+        tmp_path,
+        model={"path": str(tmp_path / "thinker"), "tiny": "qwen3_omni_thinker"},
+        trainer={"gpus_per_node": 1},
+    )
+    train, _ = vb.write_dataset(r, tmp_path / "verl_data")
+    model = vb.export_thinker(r, tmp_path / "verl_model")
+    processor = AutoProcessor.from_pretrained(model)
+    conf = _compose(vb.to_overrides(vb.build_verl_config(r)))
+    data_conf = conf.data
+    data_conf.filter_overlong_prompts_workers = 1
+    data_conf.filter_overlong_prompts = True
+    ds = RLHFDataset(train, processor.tokenizer, data_conf, processor)
+    items, _ = vb.omni_items(r)
+    assert len(ds) == len(items) == 8
+    (message,) = ds[3]["raw_prompt"]
+    image_part, text_part = message["content"]
+    assert image_part["type"] == "image" and text_part == {"type": "text", "text": items[3].prompt}
+    assert np.array_equal(np.asarray(image_part["image"].convert("RGB")), items[3].image)
+    assert ds[3]["reward_model"]["ground_truth"] == items[3].answer
+
+
 @needs_verl
 def test_registered_in_verl_registries():
     from verl.trainer.ppo import core_algos
 
     done = vb.register_into_verl()
     assert set(done["policy_loss"]) == {"omni_gspo", "omni_grpo"}
+    assert done["adv_estimator"] == ["omni_group"]
     old, new, adv, mask = _batch(1)
     conf = SimpleNamespace(clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.3)
     fn = core_algos.get_policy_loss_fn("omni_gspo")
@@ -191,13 +336,18 @@ def test_registration_module_for_verl_workers():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @needs_verl
 def test_full_verl_run_on_tiny_thinker(tmp_path):
+    """verl's PPO trainer, 2 steps on the tiny thinker (benchmarks/device/verl_ppo_tiny.sh:
+    its rollout is a vLLM server, so it needs a GPU and verl[vllm])."""
     r = omni_recipe(
         tmp_path,
         model={"path": str(tmp_path / "thinker"), "tiny": "qwen3_omni_thinker"},
+        data={"prompts_per_step": 2},
+        algorithm={"num_minibatches": 1},
+        rollout={"n": 2, "max_new_tokens": 4},
         trainer={
-            "steps": 1,
+            "steps": 2,
             "gpus_per_node": 1,
-            "verl": {"data.max_response_length": 32, "data.max_prompt_length": 64},
+            "verl": {"actor_rollout_ref.rollout.gpu_memory_utilization": 0.3},
         },
     )
     vb.run_verl(r, tmp_path / "run")

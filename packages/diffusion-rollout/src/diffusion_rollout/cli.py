@@ -20,8 +20,9 @@ from typing import Any, NoReturn
 
 from .engine import EmbeddedEngine
 from .limits import HTTPLimits, RolloutLimits
+from .lora import LoraSpec, ensure_lora
 
-__all__ = ["build_parser", "build_server", "main"]
+__all__ = ["build_parser", "build_server", "lora_spec_from_args", "main"]
 
 TOKEN_ENV = "DIFFUSION_ROLLOUT_TOKEN"
 
@@ -115,10 +116,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--token", default=None, help=f"bearer token (prefer the {TOKEN_ENV} environment variable)"
     )
     serve.add_argument("--log-level", default="info")
+    # The LoRA adapter pushed weights fill (else the first update's lora_config adds it).
+    serve.add_argument("--lora-rank", type=int, default=None, help="LoRA rank r")
+    serve.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (scale a/r)")
+    serve.add_argument(
+        "--lora-targets",
+        default=None,
+        help="comma-separated LoRA target modules (default: the model's own)",
+    )
     limits = serve.add_argument_group("limits (see the README's 'Server limits')")
     _add_limit_flags(limits, RolloutLimits)
     _add_limit_flags(limits, HTTPLimits)
     return parser
+
+
+def lora_spec_from_args(args: argparse.Namespace) -> LoraSpec | None:
+    """The `LoraSpec` of ``--lora-rank/--lora-alpha/--lora-targets`` (None without them)."""
+    rank, alpha, targets = args.lora_rank, args.lora_alpha, args.lora_targets
+    if rank is None and alpha is None and targets is None:
+        return None
+    if rank is None or alpha is None:
+        raise SystemExit("--lora-rank and --lora-alpha go together (alpha is never guessed)")
+    names = tuple(t.strip() for t in (targets or "").split(",") if t.strip())
+    try:
+        return LoraSpec(rank, alpha, names)
+    except ValueError as exc:
+        raise SystemExit(f"--lora-*: {exc}") from None
 
 
 def build_server(
@@ -136,6 +159,7 @@ def build_server(
         )
     limits = limits_from_args(args)
     factory = denoiser_factory or _load_with_omni_adapters
+    lora = lora_spec_from_args(args)
     try:
         denoiser = factory(args.model, args.device)
     except (SystemExit, KeyboardInterrupt):
@@ -144,6 +168,11 @@ def build_server(
         raise SystemExit(
             f"diffusion-rollout serve: cannot load --model {args.model}: {_one_line(exc)}"
         ) from None
+    if lora is not None:
+        try:
+            ensure_lora(denoiser, lora)
+        except (TypeError, ValueError) as exc:
+            raise SystemExit(f"diffusion-rollout serve: --lora-*: {_one_line(exc)}") from None
     try:
         engine = EmbeddedEngine(
             denoiser,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import Sequence
@@ -70,8 +71,11 @@ class _EngineBackend:
             loop.call_soon(self._flush)
         return await waiter
 
-    async def update_weights(self, tensors: dict[str, Tensor], version: int) -> dict:
-        await asyncio.to_thread(self.engine.update_weights, tensors, version)
+    async def update_weights(
+        self, tensors: dict[str, Tensor], version: int, lora_config: dict | None = None
+    ) -> dict:
+        kw = {} if lora_config is None else {"lora": lora_config}
+        await asyncio.to_thread(self.engine.update_weights, tensors, version, **kw)
         return {"version": version}
 
     async def stats(self) -> dict:
@@ -125,10 +129,16 @@ class _HttpBackend:
             self._raise(resp)
         return await asyncio.to_thread(trajectory_from_bytes, resp.content)
 
-    async def update_weights(self, tensors: dict[str, Tensor], version: int) -> dict:
+    async def update_weights(
+        self, tensors: dict[str, Tensor], version: int, lora_config: dict | None = None
+    ) -> dict:
+        from .lora import METADATA_KEY
         from .wire import tensors_to_bytes
 
-        body = await asyncio.to_thread(tensors_to_bytes, tensors, {"version": str(version)})
+        meta = {"version": str(version)}
+        if lora_config is not None:
+            meta[METADATA_KEY] = json.dumps(lora_config)
+        body = await asyncio.to_thread(tensors_to_bytes, tensors, meta)
         resp = await self.client.post(
             "/update_weights", content=body, headers={"content-type": "application/octet-stream"}
         )
@@ -303,17 +313,49 @@ class RolloutClient:
         """Blocking `agenerate`."""
         return _run_sync(self.agenerate, requests, version=version, progress=progress)
 
-    async def aupdate_weights(self, tensors: dict[str, Tensor], version: int) -> dict:
-        """Push weights (LoRA tensors) as ``version``."""
+    def generate_many(
+        self, requests: Sequence[RolloutRequest], *, progress: bool | None = None
+    ) -> list[Trajectory]:
+        """`EmbeddedEngine.generate_many`'s signature (request order; each request's own
+        ``weights_version`` pin), so a trainer drives a client like an engine."""
+        return self.generate(requests, progress=progress)
+
+    @property
+    def version(self) -> int:
+        """The served weights version (``GET /health`` for a URL, ``engine.version`` else)."""
+        if not isinstance(self.target, str):
+            return int(self.target.version)
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        resp = httpx.get(self.target.rstrip("/") + "/health", headers=headers, timeout=30)
+        resp.raise_for_status()
+        return int(resp.json()["version"])
+
+    async def aupdate_weights(
+        self, tensors: dict[str, Tensor], version: int, *, lora_config: Any = None
+    ) -> dict:
+        """Push weights (LoRA tensors) as ``version``. ``lora_config`` (a `LoraSpec`, its dict
+        or peft's ``adapter_config.json`` dict): the adapter the tensors need, added by the
+        engine / server first if the served model has none (`diffusion_rollout.lora`)."""
+        from .lora import LoraSpec
+
+        spec = None
+        if lora_config is not None:
+            if not isinstance(lora_config, LoraSpec):
+                lora_config = LoraSpec.from_dict(lora_config)
+            spec = lora_config.to_dict()
         backend = self._backend()
         try:
-            return await backend.update_weights(tensors, version)
+            return await backend.update_weights(tensors, version, spec)
         finally:
             await backend.aclose()
 
-    def update_weights(self, tensors: dict[str, Tensor], version: int) -> dict:
+    def update_weights(
+        self, tensors: dict[str, Tensor], version: int, *, lora_config: Any = None
+    ) -> dict:
         """Blocking `aupdate_weights`."""
-        return _run_sync(self.aupdate_weights, tensors, version)
+        return _run_sync(self.aupdate_weights, tensors, version, lora_config=lora_config)
 
     async def astats(self) -> dict:
         backend = self._backend()

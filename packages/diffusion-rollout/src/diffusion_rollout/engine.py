@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .lora import LoraSpec, ensure_lora
 from .params import RolloutRequest
 from .types import (
     Denoiser,
@@ -209,7 +210,13 @@ class EmbeddedEngine:
         concurrent.futures.wait(futs)
         return [f.result() for f in futs]
 
-    def update_weights(self, tensors: dict[str, Tensor], version: int) -> None:
+    def update_weights(
+        self,
+        tensors: dict[str, Tensor],
+        version: int,
+        *,
+        lora: LoraSpec | dict[str, Any] | None = None,
+    ) -> None:
         """Load new trainable weights as ``version``, atomically.
 
         Every tensor is checked first (`diffusion_rollout.weights.check_weights`: names,
@@ -217,6 +224,10 @@ class EmbeddedEngine:
         raises `WeightsRejected` (a ValueError naming the tensor) and changes nothing.
         A wave in flight finishes on the old weights; no new wave starts until the load is
         done; requests pinned to ``version`` that were waiting run next. Versions only go up.
+        ``lora`` (a `LoraSpec` or its dict): the LoRA adapter these tensors need; added to the
+        denoiser first if it has none (`diffusion_rollout.lora.ensure_lora`, between waves).
+        LoRA tensors for a denoiser without an adapter and without ``lora`` are a ValueError
+        naming ``lora_config``.
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"update_weights: version must be an integer >= 0, got {version!r}")
@@ -235,6 +246,7 @@ class EmbeddedEngine:
                         f"update_weights: version {version} is not newer than the engine's "
                         f"version {self._version}"
                     )
+                ensure_lora(self.denoiser, lora, tensors)
                 with torch.no_grad():
                     load(tensors)
                 with self._cond:

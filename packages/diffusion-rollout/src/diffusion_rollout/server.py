@@ -8,7 +8,10 @@ Endpoints (every error is JSON ``{"error": message, "field": name-or-null, "kind
   trajectory as safetensors bytes (``application/octet-stream``, see `diffusion_rollout.wire`).
 - ``POST /update_weights``: safetensors bytes of name -> tensor, version in the blob's
   metadata ``version`` or the query ``?version=N``; answers ``{"version", "checksum",
-  "tensors"}``. All or nothing: every tensor is checked before any is applied.
+  "tensors"}``. All or nothing: every tensor is checked before any is applied. Metadata
+  ``lora_config`` (JSON ``{"rank", "alpha", "target_modules"}``): the LoRA adapter the tensors
+  need, added first when the served model has none (400 ``lora_config`` when LoRA tensors come
+  without one, or it contradicts the tensors or the adapter there).
 - ``GET /health``: ``{"status": "ok", "version"}`` (no token needed).
 - ``GET /stats``: the engine's ``stats()`` plus the server's own counters under ``"server"``
   and the connection rules' (`diffusion_rollout.serving`) under ``"connections"``.
@@ -44,6 +47,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .limits import LimitError, RolloutLimits, check_request
+from .lora import METADATA_KEY as LORA_METADATA_KEY
+from .lora import LoraSpec
 from .params import RolloutRequest
 from .safe_json import JSONBodyError, parse_json_body
 from .types import RequestAborted, VersionMismatchError
@@ -322,13 +327,21 @@ def create_app(
                 ),
             )
         version = int(raw)
+        lora_kw: dict[str, Any] = {}
+        if meta.get(LORA_METADATA_KEY):
+            try:
+                lora_kw["lora"] = LoraSpec.from_json(meta[LORA_METADATA_KEY])
+            except ValueError as exc:
+                return refuse("invalid", _error(400, str(exc), field="lora_config"))
         try:
-            await asyncio.to_thread(engine.update_weights, tensors, version)
+            await asyncio.to_thread(engine.update_weights, tensors, version, **lora_kw)
         except WeightsRejected as exc:
             return refuse(
                 "invalid", _error(400, str(exc), field=exc.field, kind="weights_rejected")
             )
         except ValueError as exc:
+            if str(exc).startswith("lora_config"):
+                return refuse("invalid", _error(400, str(exc), field="lora_config"))
             if "not newer" in str(exc):
                 return refuse("version", _error(409, str(exc), field="version", kind="version"))
             return refuse("invalid", _weights_error(exc))

@@ -555,6 +555,11 @@ class Recipe(_Section):
                 f"algorithm.kl_beta: {a.name} has its own reference term "
                 "(diffusion_nft: algorithm.options.kl_weight; diffusion_dpo: options.beta)"
             )
+        if t.backend == "verl" and self.rollout.allowed_tokens:
+            out.append(
+                "rollout.allowed_tokens: verl's rollout engines sample without a token mask; "
+                "use trainer.backend local or ray"
+            )
         return out
 
 

@@ -5,8 +5,10 @@ verl pins an older transformers than this workspace, so it lives in its own envi
 imports verl only inside the functions that need it:
 
 - `build_verl_config(recipe)`: a plain nested dict of verl's Hydra config (ppo_trainer)
-  from our recipe; `to_overrides(config)` flattens it to `key=value` command-line overrides.
-  Both are pure and tested without verl.
+  from our recipe; `to_overrides(config)` flattens it to `key=value` command-line overrides
+  (`++key=value` for the keys verl's schema does not declare, `ADDED_KEYS`). Both are pure;
+  the verl environment's test composes verl's own `ppo_trainer.yaml` with every override and
+  runs verl's `validate_config` on the result (tests/test_verl_backend.py).
 - `verl_policy_loss(name)`: our `omni_algos.losses` GRPO / GSPO in verl's policy-loss
   signature `(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
   rollout_is_weights) -> (loss, metrics)`; `omni_group_advantage`: our group-relative
@@ -26,9 +28,11 @@ The registry names (checked against verl's `core_algos.py`): policy losses `omni
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,25 +40,36 @@ import torch
 
 from ..errors import TrainError
 from ..recipe import Recipe, RecipeError
+from ..tasks import CHOICE_LETTERS, OmniItem, first_choice_letter, load_items
 
 __all__ = [
+    "ADDED_KEYS",
     "ADV_ESTIMATOR",
+    "IMAGE_KEY",
     "LOSS_NAMES",
-    "REWARD_MANAGER",
+    "REWARD_FUNCTION_PATH",
     "build_verl_config",
     "omni_compute_score",
     "omni_group_advantage",
+    "omni_items",
     "register_into_verl",
     "run_verl",
     "to_overrides",
     "verl_available",
     "verl_policy_loss",
+    "write_dataset",
 ]
 
 #: our loss name -> the name it gets in verl's policy-loss registry
 LOSS_NAMES = {"grpo": "omni_grpo", "gspo": "omni_gspo"}
 ADV_ESTIMATOR = "omni_group"
-REWARD_MANAGER = "omni"
+#: where verl imports `omni_compute_score` from (`load_extern_object`'s package form: the file
+#: form would load verl_backend.py outside its package, where its relative imports fail)
+REWARD_FUNCTION_PATH = "pkg://omni_train.backends.verl_backend"
+#: the parquet column verl's RLHFDataset reads images from (`data.image_key`, its default)
+IMAGE_KEY = "images"
+#: keys verl 0.9's config schema does not declare: set with Hydra's `++key=value`
+ADDED_KEYS = ("reward.custom_reward_function.reward_kwargs",)
 #: verl loss_agg_mode -> our `agg`
 _AGG = {
     "token-mean": "token-mean",
@@ -85,6 +100,19 @@ def _omni_checks(recipe: Recipe) -> None:
         )
     if recipe.reward.name is None:
         raise RecipeError("reward.name: backend verl takes one named reward (not reward.terms)")
+    if recipe.rollout.allowed_tokens:
+        raise RecipeError(
+            "rollout.allowed_tokens: backend verl cannot constrain decoding (verl's rollout "
+            "samples from the whole vocabulary); remove it or use trainer.backend: local"
+        )
+    d = recipe.data
+    if d.prompts is not None:
+        raise RecipeError(
+            "data.prompts: the omni path needs reference answers; use `data.file` (JSONL "
+            "rows with prompt, answer, image) or `data.task`"
+        )
+    if d.task is None and d.file is None:
+        raise RecipeError("data.task / data.file: backend verl needs one of them")
 
 
 def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
@@ -114,9 +142,11 @@ def build_verl_config(
     `algorithm.clip_range` -> `clip_ratio(_low/_high)`; `algorithm.num_minibatches` ->
     `ppo_mini_batch_size` (prompts per optimizer step); `algorithm.epochs` -> `ppo_epochs`;
     `algorithm.kl_beta` -> `use_kl_loss` / `kl_loss_coef`; `algorithm.adv_std` ->
-    `algorithm.norm_adv_by_std_in_grpo`; the reward -> `custom_reward_function` with our
-    `omni_compute_score`; `trainer.nnodes/gpus_per_node/steps` -> `trainer.*`. Finally every
-    `trainer.verl` entry (dotted key -> value) is set on top.
+    `algorithm.norm_adv_by_std_in_grpo`; `rollout.max_new_tokens / temperature / top_p /
+    val_temperature` -> `data.max_response_length` and the rollout's sampling settings; the
+    reward (name, options, extract) -> `reward.custom_reward_function` with our
+    `omni_compute_score`; `trainer.nnodes/gpus_per_node/steps/seed` -> `trainer.*` and
+    `data.seed`. Finally every `trainer.verl` entry (dotted key -> value) is set on top.
     """
     _omni_checks(recipe)
     r = recipe
@@ -147,16 +177,19 @@ def build_verl_config(
             lora_alpha=r.lora.alpha,
             target_modules=list(r.lora.target_modules) if r.lora.target_modules else "all-linear",
         )
+    ro = r.rollout
     cfg: dict[str, Any] = {
         "data": {
             "train_files": train_files or str(run / "verl_data" / "train.parquet"),
             "val_files": val_files or str(run / "verl_data" / "val.parquet"),
             "train_batch_size": r.data.prompts_per_step,
             "prompt_key": "prompt",
+            "image_key": IMAGE_KEY,
             "reward_fn_key": "data_source",
             "max_prompt_length": 1024,
-            "max_response_length": 1024,
+            "max_response_length": ro.max_new_tokens,
             "shuffle": r.data.shuffle,
+            "seed": r.trainer.seed,
         },
         "actor_rollout_ref": {
             "model": model,
@@ -183,7 +216,14 @@ def build_verl_config(
             },
             "rollout": {
                 "name": "vllm",
-                "n": r.rollout.n,
+                "n": ro.n,
+                "temperature": ro.temperature,
+                "top_p": ro.top_p,
+                "val_kwargs": {
+                    "temperature": ro.val_temperature,
+                    "top_p": ro.top_p,
+                    "do_sample": ro.val_temperature > 0,
+                },
                 "tensor_model_parallel_size": 1,
                 "gpu_memory_utilization": 0.5,
                 "log_prob_micro_batch_size_per_gpu": 1,
@@ -195,11 +235,16 @@ def build_verl_config(
             "norm_adv_by_std_in_grpo": a.adv_std != "none",
             "use_kl_in_reward": False,
         },
-        "reward_model": {"enable": False, "reward_manager": REWARD_MANAGER},
-        "custom_reward_function": {
-            "path": str(Path(__file__).resolve()),
-            "name": "omni_compute_score",
-            "reward_kwargs": {"reward": r.reward.name, "options": dict(r.reward.options)},
+        "reward": {
+            "custom_reward_function": {
+                "path": REWARD_FUNCTION_PATH,
+                "name": "omni_compute_score",
+                "reward_kwargs": {
+                    "reward": r.reward.name,
+                    "options": dict(r.reward.options),
+                    "extract": r.reward.extract,
+                },
+            },
         },
         "trainer": {
             "nnodes": r.trainer.nnodes,
@@ -242,17 +287,18 @@ def _hydra(v: Any) -> str:
     raise RecipeError(f"verl config: cannot express {type(v).__name__} value {v!r} for Hydra")
 
 
-#: dict-valued keys that are passed as one value (not expanded into dotted keys)
-_LEAF_DICTS = ("custom_reward_function.reward_kwargs",)
-
-
 def to_overrides(cfg: dict[str, Any], prefix: str = "") -> list[str]:
-    """Hydra command-line overrides `a.b.c=value`, sorted so the command line is stable."""
+    """Hydra command-line overrides `a.b.c=value`, sorted so the command line is stable.
+
+    A dict under one of `ADDED_KEYS` is one value, added with `++key=value` (verl's schema does
+    not declare it, so a plain `key=value` would be rejected as not in struct)."""
     out: list[str] = []
     for k in sorted(cfg):
         v = cfg[k]
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and v and key not in _LEAF_DICTS:
+        if key in ADDED_KEYS:
+            out.append(f"++{key}={_hydra(v)}")
+        elif isinstance(v, dict) and v:
             out.extend(to_overrides(v, key + "."))
         else:
             out.append(f"{key}={_hydra(v)}")
@@ -355,6 +401,16 @@ def omni_group_advantage(
 _REWARDS: dict[str, Any] = {}
 
 
+def _plain(value: Any) -> Any:
+    """Mappings and sequences as plain dicts and lists: verl hands `reward_kwargs` over with
+    omegaconf containers inside."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
+        return [_plain(v) for v in value]
+    return value
+
+
 def omni_compute_score(
     data_source: str,
     solution_str: str,
@@ -363,18 +419,26 @@ def omni_compute_score(
     *,
     reward: str = "math",
     options: dict[str, Any] | None = None,
+    extract: str = "response",
     **_: Any,
 ) -> float:
-    """verl `custom_reward_function`: score one response with `omni_rewards.load_reward`.
+    """verl `reward.custom_reward_function`: score one response with `omni_rewards.load_reward`.
 
-    `reward` / `options` come from `custom_reward_function.reward_kwargs`; the response is
-    `texts`, the ground truth `references`, the prompt (if verl passes it in `extra_info`)
-    `prompts`."""
+    `reward` / `options` / `extract` come from `reward.custom_reward_function.reward_kwargs`;
+    the response is `texts` (with `extract: first_letter`, only its first free-standing choice
+    letter, as the local omni loop scores it), the ground truth `references`, the prompt (verl
+    passes our `extra_info`) `prompts`."""
     import omni_rewards
 
-    key = json.dumps([reward, options or {}], sort_keys=True)
+    options = _plain(options or {})
+    key = json.dumps([reward, options], sort_keys=True)
     if key not in _REWARDS:
-        _REWARDS[key] = omni_rewards.load_reward(reward, **(options or {}))
+        _REWARDS[key] = omni_rewards.load_reward(reward, **options)
+    if extract == "first_letter":
+        letters = str(options.get("letters", CHOICE_LETTERS))
+        solution_str = first_choice_letter(solution_str, letters)
+    elif extract != "response":
+        raise ValueError(f"extract: 'response' or 'first_letter', got {extract!r}")
     prompt = (extra_info or {}).get("prompt") or ""
     out = _REWARDS[key](
         omni_rewards.RewardInput(
@@ -391,8 +455,9 @@ def omni_compute_score(
 
 
 def register_into_verl() -> dict[str, list[str]]:
-    """Register our losses, advantage estimator and reward manager in verl's registries;
-    returns what went where. Idempotent (re-registering the same object is a no-op)."""
+    """Register our losses and advantage estimator in verl's registries; returns what went
+    where. Idempotent (re-registering the same object is a no-op). The reward needs no
+    registration: verl's default (naive) reward manager calls `reward.custom_reward_function`."""
     try:
         from verl.trainer.ppo import core_algos
     except Exception as exc:  # pragma: no cover - only without verl
@@ -400,7 +465,7 @@ def register_into_verl() -> dict[str, list[str]]:
             f"trainer.backend: 'verl' needs verl in its own environment ({exc}); see "
             f"docs/scaling.md"
         ) from None
-    done: dict[str, list[str]] = {"policy_loss": [], "adv_estimator": [], "reward_manager": []}
+    done: dict[str, list[str]] = {"policy_loss": [], "adv_estimator": []}
     for ours, theirs in LOSS_NAMES.items():
         if theirs not in core_algos.POLICY_LOSS_REGISTRY:
             core_algos.register_policy_loss(theirs)(verl_policy_loss(ours))
@@ -408,66 +473,67 @@ def register_into_verl() -> dict[str, list[str]]:
     if core_algos.ADV_ESTIMATOR_REGISTRY.get(ADV_ESTIMATOR) is not omni_group_advantage:
         core_algos.register_adv_est(ADV_ESTIMATOR)(omni_group_advantage)
     done["adv_estimator"].append(ADV_ESTIMATOR)
-    try:
-        from verl.workers.reward_manager import NaiveRewardManager, register
-        from verl.workers.reward_manager.registry import REWARD_MANAGER_REGISTRY
-    except Exception:  # reward manager API moved: the custom_reward_function path still works
-        return done
-    if REWARD_MANAGER not in REWARD_MANAGER_REGISTRY:
-
-        class OmniRewardManager(NaiveRewardManager):
-            """verl's naive reward manager with `omni_compute_score` as the default scorer."""
-
-            def __init__(self, tokenizer, num_examine, compute_score=None, **kwargs):
-                super().__init__(
-                    tokenizer, num_examine, compute_score or omni_compute_score, **kwargs
-                )
-
-        register(REWARD_MANAGER)(OmniRewardManager)
-    done["reward_manager"].append(REWARD_MANAGER)
     return done
 
 
 # ---------------------------------------------------------------------------------------------
-# the run (needs verl, GPUs)
+# the data
 
 
-def read_rows(recipe: Recipe) -> list[dict[str, Any]]:
-    """Prompt rows `{prompt, reference}` from `data.prompts` or the JSONL `data.file`
-    (`reference`, `answer` or `ground_truth` key)."""
-    d = recipe.data
-    if d.prompts is not None:
-        return [{"prompt": p, "reference": None} for p in d.prompts]
-    rows = []
-    for i, line in enumerate(Path(d.file).read_text().splitlines()):  # type: ignore[arg-type]
-        if not line.strip():
-            continue
-        obj = json.loads(line)
-        if "prompt" not in obj:
-            raise RecipeError(f"data.file: line {i + 1} has no 'prompt' key")
-        ref = obj.get("reference", obj.get("answer", obj.get("ground_truth")))
-        rows.append({"prompt": obj["prompt"], "reference": ref})
-    return rows
+def omni_items(recipe: Recipe) -> tuple[list[OmniItem], list[OmniItem]]:
+    """(train, val) items of the omni path, read as the local omni loop reads them: the
+    generated `data.task` (its train and held-out val splits) or the JSONL `data.file`
+    (validation: `data.val_file`, else its first `data.val_size` rows)."""
+    _omni_checks(recipe)
+    d, seed = recipe.data, recipe.trainer.seed
+    opts = dict(d.task_options)
+    train = load_items(d.task, d.file, "train", d.task_size, seed, opts, "data.file")
+    if d.val_file is not None:
+        val = load_items(None, d.val_file, "val", 0, 0, {}, "data.val_file")
+    elif d.task is not None:
+        val = load_items(d.task, None, "val", d.val_size, seed, opts, "data.task")
+    else:
+        val = train[: d.val_size]
+    return train, val
+
+
+def _png(image: Any) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _verl_row(item: OmniItem, index: int) -> dict[str, Any]:
+    """One row of verl's RLHF parquet. An image goes into `images` as `{"bytes": PNG}` (what
+    `RLHFDataset._build_messages` opens) and the prompt text starts with the `<image>`
+    placeholder it replaces by that image."""
+    content = item.prompt if item.image is None else "<image>" + item.prompt
+    return {
+        "data_source": "omni",
+        "prompt": [{"role": "user", "content": content}],
+        IMAGE_KEY: None if item.image is None else [{"bytes": _png(item.image)}],
+        "reward_model": {"style": "rule", "ground_truth": item.answer},
+        "extra_info": {"index": index, "prompt": item.prompt},
+    }
 
 
 def write_dataset(recipe: Recipe, out: Path) -> tuple[str, str]:
-    """verl's parquet layout: data_source, prompt (chat messages), reward_model, extra_info."""
+    """Write `train.parquet` / `val.parquet` in verl's RLHF layout (`data_source`, `prompt`
+    chat messages, `images`, `reward_model`, `extra_info`); returns their paths."""
     import pandas as pd  # verl dependency
 
+    train_items, val_items = omni_items(recipe)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [
-        {
-            "data_source": "omni",
-            "prompt": [{"role": "user", "content": r["prompt"]}],
-            "reward_model": {"style": "rule", "ground_truth": r["reference"]},
-            "extra_info": {"index": i, "prompt": r["prompt"]},
-        }
-        for i, r in enumerate(read_rows(recipe))
-    ]
     train, val = out / "train.parquet", out / "val.parquet"
-    pd.DataFrame(rows).to_parquet(train)
-    pd.DataFrame(rows[: max(1, recipe.data.prompts_per_step)]).to_parquet(val)
+    pd.DataFrame([_verl_row(it, i) for i, it in enumerate(train_items)]).to_parquet(train)
+    pd.DataFrame([_verl_row(it, i) for i, it in enumerate(val_items)]).to_parquet(val)
     return str(train), str(val)
+
+
+# ---------------------------------------------------------------------------------------------
+# the run (needs verl and, for its rollout, a GPU)
 
 
 def export_thinker(recipe: Recipe, out: Path) -> str:
@@ -497,14 +563,15 @@ def run_verl(recipe: Recipe, run_dir: str | Path | None = None) -> list[dict[str
             "environment with `UV_PROJECT_ENVIRONMENT=.venv-verl uv sync --extra verl` "
             "(docs/scaling.md)"
         )
-    run = Path(run_dir) if run_dir is not None else recipe.output_dir()
+    run = (Path(run_dir) if run_dir is not None else recipe.output_dir()).resolve()
     register_into_verl()
     train, val = write_dataset(recipe, run / "verl_data")
     model = export_thinker(recipe, run / "verl_model")
     cfg = build_verl_config(recipe, model_path=model, train_files=train, val_files=val, run_dir=run)
     (run / "verl_config.json").write_text(json.dumps(cfg, indent=1))
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *to_overrides(cfg)]
-    res = subprocess.run(cmd, check=False)
+    # Hydra writes its outputs/ folder into the working directory: the run folder, not the caller's.
+    res = subprocess.run(cmd, check=False, cwd=run)
     if res.returncode:
         raise TrainError(
             f"verl's PPO trainer exited with {res.returncode}: {' '.join(cmd[:4])} ..."
