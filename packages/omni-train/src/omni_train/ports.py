@@ -42,6 +42,11 @@ class Learner(Protocol):
         without LoRA."""
         ...
 
+    def lora_config(self) -> dict[str, Any] | None:
+        """The LoRA's config in peft's keys (``r``, ``lora_alpha``, ``target_modules``);
+        None without LoRA. A served rollout model adds this adapter."""
+        ...
+
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
         """(trainable tensors by name, EMA under ``ema/``; the optimizer's ``state_dict``),
         whole, for a checkpoint."""

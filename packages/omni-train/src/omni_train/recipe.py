@@ -145,7 +145,19 @@ class DataConfig(_Section):
 class RolloutConfig(_Section):
     """Sampling settings for the rollout engine."""
 
-    backend: Literal["embedded"] = Field("embedded", description="Rollout engine.")
+    backend: Literal["embedded", "http", "vllm-omni"] = Field(
+        "embedded",
+        description="Rollout engine: `embedded` (diffusion_rollout.EmbeddedEngine in the "
+        "trainer, or in Ray rollout workers), `http` (a `diffusion-rollout serve` at "
+        "`rollout.url`, token in DIFFUSION_ROLLOUT_TOKEN) or `vllm-omni` (vllm-omni's "
+        "AsyncOmni; a GPU). Diffusion models only.",
+    )
+    url: str | None = Field(
+        None,
+        description="http: the rollout server's base URL; null = omni-train starts "
+        "`diffusion-rollout serve` for the recipe's model on a free loopback port and stops it "
+        "with the run.",
+    )
     n: int = Field(8, ge=2, description="Samples per prompt (the GRPO group size).")
     max_num_seqs: int = Field(16, ge=1, description="Max rows packed into one forward.")
     height: int = Field(64, ge=8, description="Image height in pixels.")
@@ -472,6 +484,25 @@ class Recipe(_Section):
             problems.append(
                 f"reward.inputs: a non-empty list without repeats, got {self.reward.inputs}"
             )
+        rb = self.rollout.backend
+        if rb != "embedded":
+            if self.is_omni():
+                problems.append(
+                    f"rollout.backend: {rb} serves diffusion models; the omni path samples "
+                    "with rollout.backend embedded"
+                )
+            if "audio" in self.reward.inputs:
+                problems.append(
+                    f"reward.inputs: audio is decoded next to the trainer (rollout.backend "
+                    f"embedded), not by a {rb} rollout"
+                )
+            if rb == "vllm-omni" and not self.model.device.startswith("cuda"):
+                problems.append(
+                    "rollout.backend: vllm-omni runs on a GPU (model.device cuda); on CPU use "
+                    "embedded or http"
+                )
+        elif self.rollout.url is not None:
+            problems.append("rollout.url: only for rollout.backend http")
         if "audio" in self.reward.inputs and t.backend != "local":
             problems.append(
                 "reward.inputs: audio is decoded by the local backend only (trainer.backend "

@@ -68,6 +68,9 @@ class LocalLearner:
             return None
         return self.adapter.export_rollout_weights(fmt="peft"), self.adapter.lora_config()
 
+    def lora_config(self) -> dict[str, Any] | None:
+        return self.adapter.lora_config() if self.recipe.lora.enabled else None
+
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
         out = {k: p.detach() for k, p in self.params_named.items()}
         if self.recipe.optimizer.ema_decay > 0:
@@ -181,6 +184,19 @@ def make_local_ports(recipe: Recipe) -> Ports:
     from diffusion_rollout import EmbeddedEngine
 
     learner = LocalLearner(r, adapter)
+    needs_images = bool(getattr(adapter, "needs_images", False))
+    if r.rollout.backend != "embedded":  # a server or vllm-omni samples; the trainer trains
+        from ..models import ensure_model
+        from .remote_rollout import make_remote_rollout
+
+        remote = make_remote_rollout(r, ensure_model(r), learner.lora_config())
+        return Ports(
+            learner,
+            remote,
+            lambda: build_reward(r),
+            needs_images=needs_images,
+            closers=[remote.close],
+        )
     rollout_adapter = adapter
     if r.trainer.mode == "async":  # the rollout of step k+1 overlaps the update of step k
         rollout_adapter = copy.deepcopy(adapter)
@@ -191,6 +207,6 @@ def make_local_ports(recipe: Recipe) -> Ports:
         engine,
         lambda: build_reward(r),
         decode_av=getattr(adapter, "decode_av", None),
-        needs_images=bool(getattr(adapter, "needs_images", False)),
+        needs_images=needs_images,
         closers=[engine.close],
     )

@@ -734,6 +734,11 @@ class RayLearner:
 
         return _unpack(ray.get([a.export_weights.remote() for a in self.actors])[0])[0]
 
+    def lora_config(self) -> dict[str, Any] | None:
+        import ray
+
+        return json.loads(ray.get(self.actors[0].lora_config.remote()))
+
     def lora_export(self) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
         import ray
 
@@ -848,8 +853,13 @@ def make_ray_ports(recipe: Recipe) -> Ports:
         learner = RayLearner(r, sizes["actor"])
         closers.append(learner.close)
         omni = algorithm(r.algorithm.name).model == "omni"
-        cls = RayTokenRollout if omni else RayDiffusionRollout
-        rollout = cls(rj, sizes["rollout"], r.trainer.max_restarts)
+        if r.rollout.backend != "embedded":  # a server or vllm-omni samples
+            from .remote_rollout import make_remote_rollout
+
+            rollout: Any = make_remote_rollout(r, path, learner.lora_config())
+        else:
+            cls = RayTokenRollout if omni else RayDiffusionRollout
+            rollout = cls(rj, sizes["rollout"], r.trainer.max_restarts)
         closers.append(rollout.close)
     except BaseException:
         for close in reversed(closers):

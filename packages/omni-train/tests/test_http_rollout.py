@@ -1,0 +1,159 @@
+"""rollout.backend: http: the loop drives a `diffusion-rollout serve` through the same port as
+the embedded engine, pushes LoRA versions to it (the first push carries the LoRA config), and
+gets the embedded run's trajectories; a server started by omni-train stops with the run; a
+server killed mid-run ends the run with one clear error, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from omni_train import train
+from omni_train.errors import TrainError
+from omni_train.recipe import recipe_from_dict
+
+pytest.importorskip("httpx")
+TIMING = ("timing/", "perf/")
+
+
+def _recipe(tmp: Path, model: Path, **rollout) -> dict:
+    return {
+        "experiment": "http",
+        "model": {"path": str(model), "tiny": "sd3"},
+        "data": {"prompts": ["a red square", "a blue circle"], "prompts_per_step": 2},
+        "rollout": {
+            "n": 4,
+            "height": 32,
+            "width": 32,
+            "num_steps": 4,
+            "sde_window_size": 2,
+            "sde_window_range": [0, 3],
+            "noise_level": 0.8,
+            **rollout,
+        },
+        "reward": {"name": "brightness"},
+        "algorithm": {"name": "flow_grpo", "clip_range": 0.2},
+        "optimizer": {"lr": 2e-2},
+        "trainer": {"steps": 3, "progress": False, "sample_every": 0, "output_dir": str(tmp)},
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(model: Path) -> tuple[str, subprocess.Popen]:
+    """A `diffusion-rollout serve` started as a user would, apart from the trainer."""
+    from diffusion_rollout import RolloutClient
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "diffusion_rollout.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    RolloutClient(url).wait_ready(timeout_s=600)
+    return url, proc
+
+
+def _det(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_http_rollout_trains_like_the_embedded_engine(tmp_path, tiny_sd3):
+    embedded = train(recipe_from_dict(_recipe(tmp_path / "e", tiny_sd3)))
+    url, proc = _serve(tiny_sd3)
+    try:
+        served = train(recipe_from_dict(_recipe(tmp_path / "h", tiny_sd3, backend="http", url=url)))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert [r["weights/version"] for r in served] == [1, 2, 3]
+    # same seeds, same weights: the same trajectories, so the same rewards and updates
+    for a, b in zip(embedded, served):
+        for k in (
+            "reward/mean",
+            "reward/std",
+            "reward/min",
+            "reward/max",
+            "loss",
+            "actor/grad_norm",
+        ):
+            assert b[k] == pytest.approx(a[k], abs=1e-5), (k, a[k], b[k])
+    assert served[-1]["reward/mean"] != served[0]["reward/mean"]  # the pushed LoRA is in use
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_server_started_by_omni_train_and_a_killed_server(tmp_path, tiny_sd3):
+    # rollout.url null: omni-train starts the server on loopback and stops it with the run
+    before = {p for p in os.listdir("/proc") if p.isdigit()}
+    rows = train(recipe_from_dict(_recipe(tmp_path / "auto", tiny_sd3, backend="http")))
+    assert len(rows) == 3
+    after = {p for p in os.listdir("/proc") if p.isdigit()}
+    for pid in after - before:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        assert b"diffusion_rollout.cli" not in cmd, "the started server outlived the run"
+
+    # a server killed mid-run: one clear error naming rollout.backend, in bounded time
+    url, proc = _serve(tiny_sd3)
+    try:
+        recipe = recipe_from_dict(
+            _recipe(tmp_path / "killed", tiny_sd3, backend="http", url=url)
+            | {
+                "trainer": {
+                    "steps": 50,
+                    "progress": False,
+                    "sample_every": 0,
+                    "output_dir": str(tmp_path / "killed"),
+                }
+            }
+        )
+        import threading
+
+        def kill_after_first_step() -> None:
+            metrics = tmp_path / "killed" / "metrics.jsonl"
+            deadline = time.monotonic() + 900
+            while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text()):
+                time.sleep(0.05)
+            os.kill(proc.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_after_first_step)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(
+            TrainError, match=r"rollout\.backend: .* on http://127\.0\.0\.1:\d+ failed"
+        ):
+            train(recipe)
+        assert time.monotonic() - t0 < 900
+        killer.join()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
