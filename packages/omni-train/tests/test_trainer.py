@@ -407,3 +407,55 @@ def load_file_keys(run: Path) -> set[str]:
     path = run / "checkpoint" / "step_0003" / "trainable.safetensors"
     with safe_open(str(path), "pt") as f:
         return set(f.keys())
+
+
+def test_reward_overlaps_the_rollout_and_scores_the_same(train_dict, tmp_path, monkeypatch):
+    """reward.overlap: each wave is scored while the next waves compute (4 waves of 2 rows
+    here), with the rewards of scoring the whole batch after the rollout."""
+    import time as _time
+
+    import omni_rewards
+
+    calls: list[tuple[float, int]] = []
+
+    class Timed(omni_rewards.Reward):
+        name = "timed_brightness"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = omni_rewards.load_reward("brightness")
+
+        def score_batch(self, inp):
+            calls.append((_time.monotonic(), len(inp)))
+            return self.inner(inp)
+
+    monkeypatch.setitem(omni_rewards.REWARDS, "timed_brightness", Timed)
+    from diffusion_rollout.engine import EmbeddedEngine
+
+    wave_ends: list[float] = []
+    run_wave = EmbeddedEngine._run_wave
+
+    def timed_wave(self, entries):
+        run_wave(self, entries)
+        wave_ends.append(_time.monotonic())
+
+    monkeypatch.setattr(EmbeddedEngine, "_run_wave", timed_wave)
+    rows = {}
+    for overlap in (False, True):
+        calls.clear()
+        wave_ends.clear()
+        d = train_dict(
+            reward={"name": "timed_brightness", "overlap": overlap},
+            rollout={"max_num_seqs": 2},
+            trainer={"steps": 1, "sample_every": 0, "output_dir": str(tmp_path / str(overlap))},
+        )
+        rows[overlap] = train(recipe_from_dict(d))[0]
+        if overlap:
+            sizes = [n for _, n in calls]
+            assert sizes == [2, 2, 2, 2], sizes  # one call per wave
+            assert len(wave_ends) >= 4
+            assert calls[0][0] < wave_ends[3]  # scoring began while waves were still running
+        else:
+            assert [n for _, n in calls] == [8]
+    for k in ("reward/mean", "reward/std", "loss"):
+        assert rows[True][k] == pytest.approx(rows[False][k], abs=1e-7), k

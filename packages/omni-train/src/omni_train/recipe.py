@@ -233,6 +233,12 @@ class RewardConfig(_Section):
         description="`name: latent` only: when `options.path` holds no scorer, fit one there "
         "first, on rollouts of this model scored by `distill.teacher`.",
     )
+    overlap: bool = Field(
+        True,
+        description="Diffusion path, trainer.mode sync, embedded rollout: score each wave's "
+        "samples in a reward thread as soon as the wave finishes, while the next waves compute "
+        "(the reward time hides behind the rollout's).",
+    )
     extract: Literal["response", "first_letter"] = Field(
         "response",
         description="Omni path: what the reward reads: the whole response, or only its first "

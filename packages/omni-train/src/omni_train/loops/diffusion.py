@@ -22,6 +22,7 @@ The backends (`omni_train.backends`) differ only in the ports they hand this loo
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import time
@@ -169,13 +170,26 @@ class DiffusionLoop:
             fields["latents"] = _stack(trajs, "final_latent").float().numpy()
         return RewardInput(**fields), media, waves
 
-    def score(self, trajs: list[Any], step: int) -> tuple[np.ndarray, dict[str, np.ndarray], Any]:
-        """Rewards (float64), per-sample numeric details, and the media for grids."""
-        from omni_rewards import RewardError
+    def score(
+        self, trajs: list[Any], step: int, parts: list[Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, np.ndarray], Any]:
+        """Rewards (float64), per-sample numeric details, and the media for grids.
+
+        ``parts``: the batch already scored in pieces while it rolled out (futures of
+        ``(first index, RewardOutput, seconds)``, see `train_step`); else scored here.
+        `reward_busy_s` is the time the reward computed, hidden or not."""
+        from omni_rewards import RewardError, RewardOutput
 
         inp, media, _ = self.reward_input(trajs)
         try:
-            out = self.reward(inp)
+            if parts:
+                outs = sorted((f.result() for f in parts), key=lambda p: p[0])
+                out = RewardOutput.concat([o for _, o, _ in outs])
+                self.reward_busy_s = sum(dt for _, _, dt in outs)
+            else:
+                t0 = time.perf_counter()
+                out = self.reward(inp)
+                self.reward_busy_s = time.perf_counter() - t0
         except RewardError as exc:
             if "non-finite" in str(exc):
                 path = self.save_bad_samples(trajs, media, step, None, "reward")
@@ -322,10 +336,14 @@ class DiffusionLoop:
             rollout = SyncRollout(self.ports.rollout, self.requests_for, self.version)
         rows: list[dict[str, Any]] = []
         self.run.start(start)
+        # scores waves while the next ones roll out (reward.overlap); one thread keeps the
+        # reward's own order and thread use as they are
+        self.reward_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
         try:
             for step in range(start, t.steps):
                 rows.append(self.train_step(step, rollout))
         finally:
+            self.reward_pool.shutdown(wait=True, cancel_futures=True)
             rollout.close()
             self.run.finish()
         return rows
@@ -333,9 +351,22 @@ class DiffusionLoop:
     def train_step(self, step: int, rollout: Any) -> dict[str, Any]:
         r = self.recipe
         t0 = time.perf_counter()
-        trajs = rollout.collect(step)  # 1
+        parts: list[Any] = []  # 1 (and 2 for each finished wave, overlapping the next)
+
+        def score_wave(indices: list[int], done: list[Any]) -> None:
+            inp, _, _ = self.reward_input(done)
+
+            def run() -> tuple[int, Any, float]:
+                t = time.perf_counter()
+                out = self.reward(inp)
+                return indices[0], out, time.perf_counter() - t
+
+            parts.append(self.reward_pool.submit(run))
+
+        overlap = r.reward.overlap and r.trainer.mode == "sync" and "audio" not in r.reward.inputs
+        trajs = rollout.collect(step, score_wave if overlap else None)
         t1 = time.perf_counter()
-        rewards, details, media = self.score(trajs, step)  # 2
+        rewards, details, media = self.score(trajs, step, parts)  # 2 (what is left of it)
         t2 = time.perf_counter()
         batch, info = self.update_batch(trajs, rewards, step)  # 3
         versions = [int(tr.version) for tr in trajs]
@@ -392,7 +423,8 @@ class DiffusionLoop:
             self.run.save(step + 1, self.learner, self.version, diffusers_lora=True)
         t6 = time.perf_counter()
         row["timing/rollout_s"] = t1 - t0
-        row["timing/reward_s"] = t2 - t1
+        row["timing/reward_s"] = t2 - t1  # what the rollout did not hide
+        row["timing/reward_busy_s"] = self.reward_busy_s
         row["timing/update_s"] = t3 - t2
         row["timing/val_s"] = t5 - t4
         row["timing/save_s"] = t6 - t5

@@ -56,7 +56,12 @@ def _rollout(port: Any, requests: list[Any]) -> tuple[list[Any], dict[str, float
 
 
 class SyncRollout:
-    """The rollout of step k runs when the loop asks for it."""
+    """The rollout of step k runs when the loop asks for it.
+
+    ``collect(step, on_ready)``: with a port that can `submit_many` (the embedded engine),
+    ``on_ready(indices, trajectories)`` is called as each wave's samples finish, while the
+    next waves compute, so the loop can score them meanwhile (the reward overlaps the
+    rollout); the trajectories come back in request order either way."""
 
     def __init__(self, port: Any, requests_for: Callable[[int], list[Any]], version: int = 0):
         self.port = port
@@ -64,9 +69,35 @@ class SyncRollout:
         self.version = version
         self.stats: dict[str, float] = {}
 
-    def collect(self, step: int) -> list[Any]:
-        trajs, self.stats = _rollout(self.port, self.requests_for(step))
-        return trajs
+    def collect(
+        self, step: int, on_ready: Callable[[list[int], list[Any]], None] | None = None
+    ) -> list[Any]:
+        requests = self.requests_for(step)
+        submit = getattr(self.port, "submit_many", None)
+        if on_ready is None or submit is None:
+            trajs, self.stats = _rollout(self.port, requests)
+            return trajs
+        before = self.port.stats()
+        futures = submit(requests)
+        out: list[Any] = [None] * len(futures)
+        pending = set(range(len(futures)))
+        while pending:
+            concurrent.futures.wait(
+                [futures[i] for i in pending], return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            ready = sorted(i for i in pending if futures[i].done())
+            for i in ready:
+                out[i] = futures[i].result()
+            pending.difference_update(ready)
+            on_ready(ready, [out[i] for i in ready])
+        after = self.port.stats()
+        forwards = after.get("forwards", 0) - before.get("forwards", 0)
+        self.stats = {
+            "rollout/forwards": float(forwards),
+            "rollout/rows_per_forward": (after.get("rows", 0) - before.get("rows", 0))
+            / max(forwards, 1),
+        }
+        return out
 
     def push_weights(self, tensors: Any, version: int) -> None:
         self.port.update_weights(tensors, version)
@@ -115,7 +146,9 @@ class PrefetchRollout:
             self.launched[self.next_step] = _Launched(future, self.version)
             self.next_step += 1
 
-    def collect(self, step: int) -> list[Any]:
+    def collect(self, step: int, on_ready: Any = None) -> list[Any]:
+        """Step's trajectories (launched earlier; ``on_ready`` is not used: the rollout
+        already ran beside the previous update)."""
         if self.next_step <= step:  # e.g. after a resume
             self.next_step = step
         self._launch_ready()
