@@ -248,3 +248,15 @@ def test_core_imports_without_heavy_deps():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
+
+
+def test_check_prompts_finds_what_a_reward_could_not_score_without_loading_it() -> None:
+    from omni_rewards import check_prompts
+
+    bad = check_prompts("color_match", ["a red car", "a sunny beach"])
+    assert len(bad) == 1 and bad[0].startswith("prompts[1] 'a sunny beach': names no palette")
+    assert check_prompts("color_match", ["a sunny beach"], {"default_color": "red"}) == []
+    bad = check_prompts("ocr", ['a sign that says "OPEN"', "a cat"])
+    assert len(bad) == 1 and "double quotes" in bad[0]
+    assert check_prompts("ocr", ["a cat"], {"missing_target": "empty"}) == []
+    assert check_prompts("brightness", ["anything"]) == []  # reads no target from prompts

@@ -184,7 +184,7 @@ def test_sigkill_then_resume_matches(tmp_path: Path, tiny_sd3: Path) -> None:
     deadline = time.monotonic() + 240
     try:
         while time.monotonic() < deadline:
-            if len(read_metrics(run / "metrics.jsonl")) >= 5 or proc.poll() is not None:
+            if len(read_metrics(run / "metrics.jsonl")) >= 6 or proc.poll() is not None:
                 break
             time.sleep(0.05)
     finally:
@@ -192,10 +192,10 @@ def test_sigkill_then_resume_matches(tmp_path: Path, tiny_sd3: Path) -> None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     rows_at_kill = len(read_metrics(run / "metrics.jsonl"))
-    assert 0 < rows_at_kill < 8, "the run finished before it could be killed"
+    assert 1 < rows_at_kill < 9, "the run finished before it could be killed"
     resume(run, ["trainer.progress=false"])  # a fresh trainer, as `omni-train resume RUN`
     resumed = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(8))
+    assert [r["step"] for r in resumed] == list(range(9))  # step 0: the validation baseline
     assert _det(resumed) == _det(full)
     state = json.loads((run / "checkpoint" / "step_0008" / "state.json").read_text())
     assert state["step"] == 8
@@ -228,9 +228,9 @@ def test_cpu_twins_run_two_steps(tmp_path_factory) -> None:
                 ],
             )
         )
-        assert [r["step"] for r in rows] == [0, 1], path.name
+        assert [r["step"] for r in rows] == [1, 2], path.name
         assert np.isfinite(rows[-1]["loss"]) and "val/reward_mean" in rows[-1], path.name
         assert (out / "checkpoint" / "step_0002" / "state.json").is_file(), path.name
         if "audio" in recipe.reward.inputs:  # video+audio: a frame strip and a waveform plot
-            assert (out / "samples" / "val_step_0001_audio.png").is_file(), path.name
-            assert (out / "samples" / "val_step_0001_frames.png").is_file(), path.name
+            assert (out / "samples" / "val_step_0002_audio.png").is_file(), path.name
+            assert (out / "samples" / "val_step_0002_frames.png").is_file(), path.name

@@ -57,8 +57,10 @@ def test_two_gspo_steps_write_metrics_and_replay_matches(tiny_thinker, tmp_path:
     params = loop.learner.params_named
     before = {k: v.detach().clone() for k, v in params.items()}
     rows = loop.train()
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     on_disk = read_metrics(Path(recipe.trainer.output_dir) / "metrics.jsonl")
+    assert on_disk[0]["step"] == 0 and "val/reward_mean" in on_disk[0]  # the baseline
+    on_disk = on_disk[1:]
     assert _det(on_disk) == _det(rows)
     for key in ("reward/mean", "loss", "actor/grad_norm", "rollout/logprob_abs_diff_max"):
         assert key in on_disk[0], key
@@ -99,7 +101,7 @@ def test_omni_resume_equals_uninterrupted(tiny_thinker, tmp_path: Path, monkeypa
     monkeypatch.setattr(OmniLoop, "train_step", orig)
     resume(run)
     resumed = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [0, 1, 2]
+    assert [r["step"] for r in resumed] == [1, 2, 3]
     assert _det(resumed) == _det(full)
 
 

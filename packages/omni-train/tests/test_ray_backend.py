@@ -138,7 +138,7 @@ def test_update_parity_local_vs_two_fsdp_ranks(name, sd3_pool):
     want = local.update(batch, 0)
     assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
     assert got["actor/grad_norm"] == pytest.approx(want["actor/grad_norm"], rel=1e-4, abs=1e-7)
-    lw, rw = local.rollout_weights(), rl.rollout_weights()
+    lw, rw = local.rollout_weights(), rl.rollout_weights().whole()
     assert sorted(lw) == sorted(rw)
     moved = max(float((lw[k] - before[k]).abs().max()) for k in lw)
     assert moved > 1e-4, "the update did not move the weights"
@@ -218,7 +218,7 @@ def test_token_update_parity_local_vs_two_fsdp_ranks(name, thinker_pool):
     want = local.update(batch, 0)
     assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
     assert got["actor/kl_ref"] == pytest.approx(want["actor/kl_ref"], abs=1e-6)
-    lw, rw = local.rollout_weights(), rl.rollout_weights()
+    lw, rw = local.rollout_weights(), rl.rollout_weights().whole()
     for k in lw:
         torch.testing.assert_close(rw[k], lw[k], atol=1e-5, rtol=0, msg=k)
     assert max(float((lw[k] - before[k]).abs().max()) for k in lw) > 1e-4
@@ -264,11 +264,18 @@ def test_rollout_seeds_and_rewards_independent_of_split(pools, sd3_pool):
     )
 
 
-def test_weight_sync_is_versioned(pools, sd3_pool):
+def test_weight_sync_is_rank_local_and_versioned(pools, sd3_pool):
+    """The FSDP ranks' own LoRA pieces go to the rollout workers as object refs (the driver
+    holds no weights); each worker puts them together and loads one whole version."""
+    from omni_train.backends.ray import ShardedWeights
+
     rollout = pools["rollout"]
     weights = sd3_pool["ray"].rollout_weights()
+    assert isinstance(weights, ShardedWeights) and len(weights.refs) == 2
+    pieces = [ray.get(r) for r in weights.refs]
+    assert all(len(p) < 0.75 * sum(len(q) for q in pieces) for p in pieces)  # halves, not copies
     rollout.update_weights(weights, 7)
-    want = weights_checksum(weights)
+    want = weights_checksum(weights.whole())
     got = ray.get([h.checksum.remote() for h in rollout.pool.handles])
     assert got == [want, want]
     loop = _loop(pools["recipe"], rollout, pools["reward"], sd3_pool["tmp"] / "sync")

@@ -45,19 +45,26 @@ def test_two_steps_write_everything(train_dict, tmp_path: Path) -> None:
     rows = train(recipe)
     run = Path(recipe.trainer.output_dir)
     assert len(rows) == 2
-    on_disk = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in on_disk] == [0, 1]
+    everything = read_metrics(run / "metrics.jsonl")
+    # step 0 is the validation baseline (before any update); steps 1, 2 are the training steps
+    assert [r["step"] for r in everything] == [0, 1, 2]
+    assert set(everything[0]) == {"step", "val/reward_mean", "val/reward_std"}
+    on_disk = everything[1:]
     for key in REQUIRED:
         assert key in on_disk[0], key
     assert on_disk[0]["rollout/rows"] == 8
-    assert on_disk[1]["rollout/version"] == 1  # step 1 rolled out on the weights of step 0's update
+    assert on_disk[1]["rollout/version"] == 1  # step 2 rolled out on the weights after step 1
     assert on_disk[1]["weights/version"] == 2
     # minibatch 0 replays on the rollout weights: the recomputed log-probs agree
     assert on_disk[0]["rollout/logprob_diff_max"] < 1e-4
     assert on_disk[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert "val/reward_mean" in on_disk[1]
-    assert (run / "samples" / "step_0000.png").is_file()
-    assert (run / "samples" / "val_step_0001.png").is_file()
+    assert 0 <= on_disk[0]["reward/frac_zero_std"] <= 1 and on_disk[0]["samples/diversity"] > 0
+    assert on_disk[0]["optim/lr"] == recipe.optimizer.lr
+    assert "policy/kl_to_ref" in on_disk[0]  # where the policy stands against the base model
+    assert (run / "samples" / "step_0001.png").is_file()
+    assert (run / "samples" / "val_step_0000.png").is_file()
+    assert (run / "samples" / "val_step_0002.png").is_file()
     assert (run / "reward_curve.png").is_file()
     ck = run / "checkpoint" / "step_0002"
     for f in (
@@ -128,7 +135,7 @@ def test_resume_equals_uninterrupted(train_dict, tmp_path: Path, monkeypatch) ->
     assert len(read_metrics(run / "metrics.jsonl")) == 3
     resume(run)
     resumed = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert _det(resumed) == _det(full)
 
 
@@ -235,9 +242,9 @@ def test_nan_reward_stops_with_step_and_samples(train_dict, tmp_path: Path, monk
 
     monkeypatch.setitem(omni_rewards.REWARDS, "flaky", Flaky)
     recipe = recipe_from_dict(train_dict(reward={"name": "flaky"}, trainer={"steps": 3}))
-    with pytest.raises(NonFiniteError, match="step 1: non-finite reward") as exc:
+    with pytest.raises(NonFiniteError, match="step 2: non-finite reward") as exc:
         train(recipe)
-    out = Path(recipe.trainer.output_dir) / "nonfinite" / "step_0001"
+    out = Path(recipe.trainer.output_dir) / "nonfinite" / "step_0002"
     assert str(out) in str(exc.value)
     data = json.loads((out / "samples.json").read_text())
     assert len(data["samples"]) == 8 and (out / "samples.png").is_file()
@@ -245,7 +252,7 @@ def test_nan_reward_stops_with_step_and_samples(train_dict, tmp_path: Path, monk
 
 
 def test_tensorboard_scalars(train_dict) -> None:
-    recipe = recipe_from_dict(train_dict(trainer={"steps": 1, "tensorboard": True}))
+    recipe = recipe_from_dict(train_dict(trainer={"steps": 1, "report_to": ["tensorboard"]}))
     try:
         import tensorboard  # noqa: F401
     except ImportError:  # the extra is not installed: a clear error, not a stack trace
@@ -265,7 +272,9 @@ def test_wandb_offline_logs_and_resume_continues_the_run(train_dict, monkeypatch
     wandb = pytest.importorskip("wandb")  # the workspace installs it; a bare install may not
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    recipe = recipe_from_dict(train_dict(trainer={"steps": 2, "wandb": True, "save_every": 1}))
+    recipe = recipe_from_dict(
+        train_dict(trainer={"steps": 2, "report_to": ["wandb"], "save_every": 1})
+    )
     train(recipe)
     run = Path(recipe.trainer.output_dir)
     run_id = (run / "wandb_id.txt").read_text().strip()

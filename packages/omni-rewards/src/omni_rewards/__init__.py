@@ -12,6 +12,7 @@ from . import image as _image  # noqa: F401 - registers the core rewards
 from .base import MissingDependencyError, Reward, RewardError, RewardLike, as_input
 from .image import PALETTE, find_color
 from .multi import MultiReward
+from .prompt_checks import PROMPT_CHECKS, check_prompts, register_prompt_check
 from .registry import ENTRY_POINT_GROUP, REWARDS, available_rewards, load_reward, register
 from .types import RewardInput, RewardInputError, RewardOutput
 
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ENTRY_POINT_GROUP",
     "PALETTE",
+    "PROMPT_CHECKS",
     "REWARDS",
     "MissingDependencyError",
     "MultiReward",
@@ -31,7 +33,9 @@ __all__ = [
     "RewardOutput",
     "as_input",
     "available_rewards",
+    "check_prompts",
     "find_color",
     "load_reward",
     "register",
+    "register_prompt_check",
 ]

@@ -19,6 +19,7 @@ import numpy as np
 from PIL import Image
 
 from .base import Reward
+from .prompt_checks import register_prompt_check
 from .registry import register
 from .types import RewardInput, RewardInputError, RewardOutput
 
@@ -110,6 +111,16 @@ def find_color(prompt: str, palette: Mapping[str, Any] = PALETTE) -> str | None:
     pattern = r"\b(" + "|".join(re.escape(n) for n in names) + r")\b"
     m = re.search(pattern, prompt, flags=re.IGNORECASE)
     return None if m is None else m.group(1).lower()
+
+
+@register_prompt_check("color_match")
+def _color_named(prompt: str, options: dict[str, Any]) -> str | None:
+    if options.get("default_color") is not None:
+        return None
+    palette = options.get("palette") or PALETTE
+    if find_color(prompt, palette) is None:
+        return f"names no palette colour ({', '.join(palette)}); set default_color"
+    return None
 
 
 @register("color_match")

@@ -24,11 +24,19 @@ from typing import Any
 import numpy as np
 
 from .base import Reward, require_module
+from .prompt_checks import register_prompt_check
 from .types import RewardInput, RewardInputError, RewardOutput
 
 __all__ = ["OCRReward", "extract_target", "levenshtein", "normalize_text", "ocr_score"]
 
 _QUOTES = re.compile(r'"([^"]*)"|“([^”]*)”')
+
+
+@register_prompt_check("ocr")
+def _has_quoted_text(prompt: str, options: dict[str, Any]) -> str | None:
+    if options.get("missing_target", "error") == "empty" or extract_target(prompt) is not None:
+        return None
+    return "has no text in double quotes for ocr to read; quote it, or set missing_target: empty"
 
 
 def extract_target(prompt: str) -> str | None:

@@ -218,6 +218,11 @@ def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def load_checkpoint_state(path: str | Path) -> dict[str, Any]:
+    """A checkpoint folder's `state.json` (step, weights version, backend)."""
+    return json.loads((Path(path) / "state.json").read_text())
+
+
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """Load a checkpoint folder (`.../checkpoint/step_XXXX`) or the latest under a root."""
     p = Path(path)

@@ -2,7 +2,8 @@
 
     omni-train RECIPE [key=value ...]        train (overrides are dotted YAML scalars)
     omni-train validate RECIPE [key=value ...]   check a recipe without running it
-    omni-train resume RUN [key=value ...]    continue RUN from its latest checkpoint
+    omni-train resume RUN [--checkpoint N] [key=value ...]   continue RUN (latest checkpoint)
+    omni-train export RUN --format diffusers|peft|merged [--out DIR]   the trained weights
     omni-train report RUN                    write RUN/report.html (curves, sample grids)
     omni-train prepare NAME [--out DIR]      write a dataset (ocr, pickscore, video, edit, mmk12)
     omni-train recipes list|copy NAME [--to DIR]   the recipes that ship with omni-train
@@ -21,11 +22,12 @@ from .errors import TrainError
 from .recipe import RecipeError
 from .version import version_text
 
-COMMANDS = ("validate", "resume", "report", "prepare", "recipes")
+COMMANDS = ("validate", "resume", "report", "prepare", "recipes", "export")
 
 USAGE = """omni-train RECIPE [key=value ...]
        omni-train validate RECIPE [key=value ...]
-       omni-train resume RUN [key=value ...]
+       omni-train resume RUN [--checkpoint N] [key=value ...]
+       omni-train export RUN --format diffusers|peft|merged [--out DIR] [--checkpoint N]
        omni-train report RUN
        omni-train prepare NAME [--out DIR]
        omni-train recipes list|copy NAME [--to DIR]
@@ -38,6 +40,12 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
             prog="omni-train validate", description="Check a recipe without running it."
         )
         p.add_argument("recipe", help="path to a recipe YAML")
+        p.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="also run one step of it into a temporary folder (builds the model and the "
+            "reward, rolls out, scores, updates)",
+        )
     elif cmd == "resume":
         p = argparse.ArgumentParser(
             prog="omni-train resume",
@@ -45,6 +53,32 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
             "optimizer state).",
         )
         p.add_argument("run", help="run folder (runs/<experiment>)")
+        p.add_argument(
+            "--checkpoint",
+            type=int,
+            default=None,
+            metavar="N",
+            help="resume from checkpoint/step_N instead of the latest",
+        )
+    elif cmd == "export":
+        p = argparse.ArgumentParser(
+            prog="omni-train export",
+            description="Write a run's trained weights for use elsewhere: `peft` (an adapter "
+            "folder for peft), `diffusers` (pytorch_lora_weights.safetensors for "
+            "pipe.load_lora_weights), `merged` (the whole model with the LoRA merged into its "
+            "weights, loadable like the base model).",
+        )
+        p.add_argument("run", help="run folder (runs/<experiment>)")
+        p.add_argument("--format", required=True, choices=["diffusers", "peft", "merged"])
+        p.add_argument("--out", default=None, help="output folder (default RUN/export/FORMAT)")
+        p.add_argument(
+            "--checkpoint",
+            type=int,
+            default=None,
+            metavar="N",
+            help="checkpoint/step_N (default: the latest)",
+        )
+        return p
     elif cmd == "prepare":
         p = argparse.ArgumentParser(
             prog="omni-train prepare",
@@ -92,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return recipes_main(args_list[1:])
     args = _parser(cmd).parse_args(args_list[1:] if cmd else args_list)
+    run_dir: str | None = None
     try:
         if cmd == "validate":
             from .recipe import load_recipe
@@ -100,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             recipe = load_recipe(args.recipe, args.overrides)
             for line in validate_recipe(recipe):
                 print(line)
+            if args.dry_run:
+                from .validate import dry_run
+
+                print(dry_run(recipe))
             print(f"ok: {args.recipe} is a valid recipe")
             return 0
         if cmd == "prepare":
@@ -120,22 +159,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(f"wrote {write_report(args.run)}")
             return 0
+        if cmd == "export":
+            from .export import export_run
+
+            print(f"wrote {export_run(args.run, args.format, args.out, args.checkpoint)}")
+            return 0
         if cmd == "resume":
             from .train import resume
 
-            resume(args.run, args.overrides)
+            run_dir = args.run
+            resume(args.run, args.overrides, checkpoint=args.checkpoint)
             return 0
         from .recipe import load_recipe
         from .train import train
 
         recipe = load_recipe(args.recipe, args.overrides)
+        run_dir = str(recipe.output_dir())
         train(recipe)
         return 0
     except (RecipeError, TrainError) as exc:
         print(f"omni-train: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, RecipeError) else 1
     except KeyboardInterrupt:
-        print("omni-train: interrupted", file=sys.stderr)
+        if run_dir is not None:  # the last checkpoint stays; the same command resumes too
+            print(
+                f"omni-train: interrupted; continue with: omni-train resume {run_dir}",
+                file=sys.stderr,
+            )
+        else:
+            print("omni-train: interrupted", file=sys.stderr)
         return 130
 
 

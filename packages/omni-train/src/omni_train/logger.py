@@ -41,8 +41,8 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise TrainError(
-                    "trainer.tensorboard is true but TensorBoard is not installed; "
-                    "fix: pip install 'omni-train[tensorboard]'"
+                    "trainer.report_to: tensorboard needs TensorBoard: "
+                    "pip install 'omni-train[tensorboard]'"
                 ) from None
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
 
@@ -97,13 +97,13 @@ def open_logger(recipe: Any, run_dir: str | Path) -> MetricsLogger:
     """The run's logger as the recipe asks: metrics.jsonl, plus TensorBoard and wandb."""
     t = recipe.trainer
     wandb = None
-    if t.wandb:
+    if "wandb" in t.report_to:
         wandb = {
             "project": t.wandb_project,
             "name": recipe.experiment,
             "config": recipe.model_dump(mode="json"),
         }
-    return MetricsLogger(run_dir, tensorboard=t.tensorboard, wandb=wandb)
+    return MetricsLogger(run_dir, tensorboard="tensorboard" in t.report_to, wandb=wandb)
 
 
 def _wandb_run(run_dir: Path, project: str, name: str, config: dict[str, Any]) -> Any:
@@ -113,7 +113,7 @@ def _wandb_run(run_dir: Path, project: str, name: str, config: dict[str, Any]) -
         import wandb
     except ImportError:
         raise TrainError(
-            "trainer.wandb is true but wandb is not installed; fix: pip install 'omni-train[wandb]'"
+            "trainer.report_to: wandb needs wandb: pip install 'omni-train[wandb]'"
         ) from None
     run_dir.mkdir(parents=True, exist_ok=True)
     id_file = run_dir / "wandb_id.txt"
@@ -128,17 +128,24 @@ def _wandb_run(run_dir: Path, project: str, name: str, config: dict[str, Any]) -
 
 
 def console_line(row: dict[str, Any], total_steps: int) -> str:
-    """`step   3/20  reward 0.412 ± 0.103  loss -0.0012  kl 1.2e-05  clip 0.00  2.31s`."""
-    parts = [f"step {row['step'] + 1:>4}/{total_steps}"]
+    """`step  3/20  reward 0.412 ± 0.103  val 0.430  kl_ref 1.2e-05  |g| 0.031  12 img/s  2.3s`:
+    what moves from step to step (a one-epoch PPO loss is 0 by construction, so it is not
+    shown; it stays in metrics.jsonl)."""
+    parts = [f"step {row['step']:>4}/{total_steps}"]
     parts.append(f"reward {row['reward/mean']:.4f} ± {row['reward/std']:.4f}")
-    if "loss" in row:
-        parts.append(f"loss {row['loss']:+.4f}")
-    if "actor/approx_kl" in row:
-        parts.append(f"kl {row['actor/approx_kl']:.1e}")
-    if "actor/clipfrac" in row:
-        parts.append(f"clip {row['actor/clipfrac']:.2f}")
     if "val/reward_mean" in row:
         parts.append(f"val {row['val/reward_mean']:.4f}")
+    if "actor/kl_ref" in row:
+        parts.append(f"kl_ref {row['actor/kl_ref']:.1e}")
+    elif "actor/approx_kl" in row:
+        parts.append(f"kl_old {row['actor/approx_kl']:.1e}")
+    if "actor/grad_norm" in row:
+        parts.append(f"|g| {row['actor/grad_norm']:.3g}")
+    if "reward/frac_zero_std" in row:
+        parts.append(f"flat {row['reward/frac_zero_std']:.2f}")
+    for key, unit in (("perf/images_per_s", "img/s"), ("perf/samples_per_s", "samples/s")):
+        if key in row:
+            parts.append(f"{row[key]:.1f} {unit}")
     if "timing/step_s" in row:
         parts.append(f"{row['timing/step_s']:.1f}s")
     return "  ".join(parts)

@@ -68,8 +68,10 @@ def image_grid(
     cols: int,
     labels: list[str] | None = None,
     scale: int = 1,
+    row_labels: list[str] | None = None,
 ) -> Image.Image:
-    """Tile uint8 images (B, H, W, 3) into a grid with an optional caption under each."""
+    """Tile uint8 images (B, H, W, 3) into a grid with an optional caption under each and an
+    optional title line above each row (e.g. the prompt of a group)."""
     images = np.asarray(images)
     if images.ndim != 4 or images.shape[-1] != 3:
         raise ValueError(f"image_grid: expected (B, H, W, 3) uint8, got shape {images.shape}")
@@ -77,12 +79,18 @@ def image_grid(
     cols = max(1, min(cols, b))
     rows = math.ceil(b / cols)
     cap = 12 if labels else 0
+    head = 12 if row_labels else 0
     hs, ws = h * scale, w * scale
-    grid = Image.new("RGB", (cols * (ws + 2) + 2, rows * (hs + cap + 2) + 2), (255, 255, 255))
+    width = cols * (ws + 2) + 2
+    grid = Image.new("RGB", (width, rows * (head + hs + cap + 2) + 2), (255, 255, 255))
     draw = ImageDraw.Draw(grid)
+    for r in range(rows if row_labels else 0):
+        if r < len(row_labels):  # type: ignore[arg-type]
+            text = row_labels[r][: max(8, width // 6)]  # type: ignore[index]
+            draw.text((3, 2 + r * (head + hs + cap + 2)), text, fill=(0, 0, 128))
     for i in range(b):
         r, c = divmod(i, cols)
-        x, y = 2 + c * (ws + 2), 2 + r * (hs + cap + 2)
+        x, y = 2 + c * (ws + 2), 2 + r * (head + hs + cap + 2) + head
         tile = Image.fromarray(images[i].astype(np.uint8))
         if scale != 1:
             tile = tile.resize((ws, hs), Image.NEAREST)
@@ -97,13 +105,14 @@ def save_sample_grid(
     path: str | Path,
     cols: int,
     labels: list[str] | None = None,
+    row_labels: list[str] | None = None,
 ) -> Path:
     """Write `image_grid(...)` as a PNG (small images are upscaled so they are visible)."""
     h = int(np.asarray(images).shape[1])
-    scale = max(1, 64 // max(h, 1))
+    scale = max(1, 96 // max(h, 1))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    image_grid(images, cols, labels, scale=scale).save(out)
+    image_grid(images, cols, labels, scale=scale, row_labels=row_labels).save(out)
     return out
 
 

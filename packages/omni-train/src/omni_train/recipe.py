@@ -33,6 +33,8 @@ OMNI_FAMILIES = ("qwen3_omni_thinker",)
 
 #: keys that were renamed: old dotted key -> what to write instead
 RENAMED_KEYS = {
+    "trainer.tensorboard": "trainer.report_to: [tensorboard]",
+    "trainer.wandb": "trainer.report_to: [wandb]",
     "optimizer.grad_accumulation": (
         "algorithm.rows_per_forward (the most rows one forward pass takes; a minibatch is "
         "split into micro-batches of that size, so the optimizer step stays the same: unlike "
@@ -120,8 +122,9 @@ class DataConfig(_Section):
     shuffle: bool = Field(True, description="Shuffle prompt order each epoch (seeded).")
     val_prompts: list[str] | None = Field(
         None,
-        description="Fixed validation prompts (default: the first training prompts). With an "
-        "image-conditioned model, validation prompt i uses the image of data row i.",
+        description="Held-out validation prompts, inline (diffusion path). Default: "
+        "`data.val_file`; without either, validation uses the first training prompts and says "
+        "they are not held out.",
     )
     task: str | None = Field(
         None,
@@ -137,8 +140,10 @@ class DataConfig(_Section):
     )
     val_file: str | None = Field(
         None,
-        description="Omni path: JSONL validation rows (`prompt`, `answer`, `image`); default: "
-        "the first `val_size` training rows.",
+        description="Held-out validation rows, in `data.file`'s formats: diffusion prompts "
+        "(with the source image of an image-editing model), or omni rows (`prompt`, `answer`, "
+        "`image`). `omni-train prepare` writes one (test.jsonl) next to each training file. "
+        "Default (omni path): a generated task's held-out split, or the first `val_size` rows.",
     )
 
 
@@ -335,6 +340,25 @@ class AlgorithmConfig(_Section):
         return v
 
 
+class SchedulerConfig(_Section):
+    """The learning-rate schedule over `trainer.steps` (a function of the step alone, so a
+    resumed run continues it exactly; `omni_train.lr_schedule`)."""
+
+    name: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="After warmup: constant, linear decay, or cosine decay."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Training steps of linear warmup from 0 to `optimizer.lr`."
+    )
+    min_lr_ratio: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="linear / cosine: the learning rate at the last step, as a "
+        "fraction of `optimizer.lr`.",
+    )
+
+
 class OptimizerConfig(_Section):
     """AdamW on the trainable parameters."""
 
@@ -344,6 +368,9 @@ class OptimizerConfig(_Section):
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     weight_decay: float = Field(1e-4, ge=0, description="Decoupled weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig, description="The learning-rate schedule."
+    )
     ema_decay: float = Field(
         0.0,
         ge=0,
@@ -394,7 +421,17 @@ class TrainerConfig(_Section):
     )
     steps: int = Field(20, ge=1, description="Training steps (one rollout batch each).")
     seed: int = Field(0, ge=0, description="Run seed: data order and every sample's seed.")
-    output_dir: str | None = Field(None, description="Run folder (default: runs/<experiment>).")
+    output_dir: str | None = Field(
+        None,
+        description="Run folder (default: runs/<experiment>). A folder that already holds a "
+        "run of the same recipe is resumed from its latest checkpoint; one of another recipe is "
+        "refused (see `overwrite`).",
+    )
+    overwrite: bool = Field(
+        False,
+        description="Start over in `output_dir` even when it holds a run (its metrics, samples "
+        "and checkpoints are deleted first).",
+    )
     log_every: int = Field(1, ge=1, description="Console line every N steps.")
     sample_every: int = Field(5, ge=0, description="Sample grid PNG every N steps (0 = off).")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end).")
@@ -404,11 +441,12 @@ class TrainerConfig(_Section):
         None, ge=1, description="Denoising steps for validation (default: rollout.num_steps)."
     )
     val_samples_per_prompt: int = Field(2, ge=1, description="Validation images per prompt.")
-    tensorboard: bool = Field(False, description="Also write TensorBoard scalars and images.")
-    wandb: bool = Field(
-        False,
-        description="Also log to Weights & Biases (extra `wandb`; `WANDB_MODE=offline` works "
-        "without a network); the run is `<output>/wandb`, resumed runs continue it.",
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list,
+        description="Trackers the metrics and sample grids also go to (metrics.jsonl is always "
+        "written): `tensorboard` (extra `tensorboard`, `<output>/tensorboard`), `wandb` (extra "
+        "`wandb`; `WANDB_MODE=offline` works without a network; the run is `<output>/wandb`, "
+        "a resumed run continues it).",
     )
     wandb_project: str = Field("omni-rl", description="wandb project name.")
     progress: bool = Field(True, description="Show a tqdm progress bar.")

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..algorithms import algorithm
 from ..errors import TrainError
+from ..lr_schedule import apply_learning_rate
 from ..models import build_optimizer, load_policy, load_trainable, quiet_libraries
 from ..ports import Ports
 from ..recipe import Recipe, RecipeError
@@ -55,10 +56,11 @@ class LocalLearner:
         )
 
     def update(self, batch: Any, step: int, correction: str | None = None) -> dict[str, float]:
+        lr = apply_learning_rate(self.optimizer, self.recipe, step)
         (plan,) = update_plans(self.recipe, batch, step, world_size=1)
         if plan.rows != list(range(batch_rows(batch))):  # rows no minibatch uses are left out
             batch = select_rows(batch, plan.rows)
-        return run_update(self.ctx, batch, plan, correction=correction)
+        return {**run_update(self.ctx, batch, plan, correction=correction), "optim/lr": lr}
 
     def rollout_weights(self) -> dict[str, Tensor]:
         return self.adapter.export_rollout_weights()

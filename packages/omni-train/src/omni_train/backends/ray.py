@@ -40,6 +40,7 @@ from torch import Tensor
 from ..algorithms import algorithm
 from ..checkpoint import optimizer_state_from_safe, optimizer_state_to_safe
 from ..errors import NonFiniteError, TrainError
+from ..lr_schedule import apply_learning_rate
 from ..models import build_optimizer, ensure_model, load_policy, load_trainable
 from ..ports import Ports
 from ..recipe import Recipe
@@ -62,6 +63,7 @@ __all__ = [
     "RayTokenRollout",
     "RewardWorker",
     "RolloutWorker",
+    "ShardedWeights",
     "WorkerPool",
     "ensure_ray",
     "make_ray_ports",
@@ -194,7 +196,8 @@ class ActorWorker:
         plan = UpdatePlan.from_json(json.loads(meta.pop("plan")))
         dev = self.adapter.device
         batch = batch_from_wire({k: v.to(dev) for k, v in tensors.items()}, meta)
-        metrics = run_update(self.ctx, batch, plan, correction=correction)
+        lr = apply_learning_rate(self.optimizer, self.recipe, step)
+        metrics = {**run_update(self.ctx, batch, plan, correction=correction), "optim/lr": lr}
         self.timeline.append((f"update{step}", t0, time.time()))
         return metrics
 
@@ -204,6 +207,26 @@ class ActorWorker:
 
         tensors = fsdp.gather_rollout_weights(self.adapter, fmt)
         return _pack(tensors) if self.rank == 0 else b""
+
+    def local_shards(self, fmt: str = "omni") -> bytes:
+        """This rank's own pieces of the rollout weights, no collective: the local shard of
+        each sharded tensor (and, on rank 0, the whole of each replicated one), with the
+        dim it is sharded on and the whole shape (`assemble_shards` puts them together)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        tensors, layout = {}, {}
+        for name, t in self.adapter.export_rollout_weights(fmt).items():
+            if isinstance(t, DTensor):
+                shard = [p.dim for p in t.placements if isinstance(p, Shard)]
+                if shard:
+                    tensors[name] = t.to_local().detach().cpu().contiguous()
+                    layout[name] = {"dim": shard[0], "shape": list(t.shape)}
+                    continue
+                t = t.to_local()
+            if self.rank == 0:
+                tensors[name] = t.detach().cpu().contiguous()
+                layout[name] = {"dim": None, "shape": list(t.shape)}
+        return _pack(tensors, {"layout": layout, "rank": self.rank})
 
     def lora_config(self) -> str:
         return json.dumps(self.adapter.lora_config() if self.recipe.lora.enabled else None)
@@ -321,12 +344,23 @@ class RolloutWorker:
         from omni_adapters import weights_checksum
 
         tensors, _ = _unpack(payload)
+        self._load(tensors, version)
+        return weights_checksum(tensors)
+
+    def _load(self, tensors: dict[str, Tensor], version: int) -> None:
         if self.engine is not None and version > self.engine.version:
             self.engine.update_weights(tensors, version=version)
         else:
             with torch.no_grad():
                 self.adapter.load_weights(tensors)
         self.version = version
+
+    def load_shards(self, version: int, *shards: bytes) -> str:
+        """Load a version from the FSDP ranks' own pieces (Ray fetches each ref from its rank)."""
+        from omni_adapters import weights_checksum
+
+        tensors = assemble_shards(list(shards))
+        self._load(tensors, version)
         return weights_checksum(tensors)
 
     def checksum(self) -> str:
@@ -369,6 +403,44 @@ class RewardWorker:
         from omni_rewards.wire import decode_input
 
         return json.dumps(self.reward(decode_input(json.loads(request_json))).to_json())
+
+
+def assemble_shards(payloads: list[bytes]) -> dict[str, Tensor]:
+    """Whole tensors from every rank's `ActorWorker.local_shards`: each sharded tensor is its
+    ranks' pieces concatenated in rank order along its shard dim (checked against the whole
+    shape); a replicated one is rank 0's."""
+    parts = sorted((_unpack(p) for p in payloads), key=lambda tm: tm[1]["rank"])
+    layout: dict[str, Any] = {}
+    for _, meta in parts:
+        layout.update(meta["layout"])
+    out = {}
+    for name, info in layout.items():
+        if info["dim"] is None:
+            out[name] = parts[0][0][name]
+            continue
+        pieces = [tensors[name] for tensors, _ in parts if name in tensors]
+        whole = torch.cat(pieces, info["dim"])
+        if list(whole.shape) != info["shape"]:
+            raise TrainError(
+                f"weight sync: {name} assembled to {list(whole.shape)}, not {info['shape']}"
+            )
+        out[name] = whole
+    return out
+
+
+class ShardedWeights:
+    """The rollout weights as Ray object refs, one per FSDP rank (`ActorWorker.local_shards`):
+    handed to the rollout workers, which fetch the pieces straight from the ranks and put them
+    together; the bytes never pass through the driver. `whole()` gathers them here for a
+    rollout that is not a Ray pool (an HTTP server, a checkpoint)."""
+
+    def __init__(self, refs: list[Any]) -> None:
+        self.refs = refs
+
+    def whole(self) -> dict[str, Tensor]:
+        import ray
+
+        return assemble_shards(ray.get(self.refs))
 
 
 def _items_to_bytes(items: list[Any]) -> bytes:
@@ -550,16 +622,23 @@ class _RolloutPool:
         import ray
 
         if self._weights is not None:
-            ray.get(self.pool.handles[i].update_weights.remote(self._weights, self.version))
+            ray.get(self._push(i, self._weights, self.version))
 
-    def update_weights(self, tensors: dict[str, Tensor] | bytes, version: int) -> None:
+    def _push(self, i: int, weights: Any, version: int) -> Any:
+        handle = self.pool.handles[i]
+        if isinstance(weights, ShardedWeights):  # rank-local: straight from the FSDP ranks
+            return handle.load_shards.remote(version, *weights.refs)
+        return handle.update_weights.remote(weights, version)
+
+    def update_weights(self, tensors: dict[str, Tensor] | ShardedWeights, version: int) -> None:
         """Push a weight version to every rollout actor (each actor's queue order, so work
-        submitted afterwards runs on it)."""
-        payload = tensors if isinstance(tensors, bytes) else _pack(tensors)
-        self._weights, self.version = payload, version
-        self.pool.call_all(
-            "update_weights", [(i, (payload, version)) for i in range(len(self.pool))]
-        )
+        submitted afterwards runs on it): the FSDP ranks' own pieces (`ShardedWeights`), or
+        whole tensors. A worker loads a version only once it has all of it."""
+        import ray
+
+        weights = tensors if isinstance(tensors, ShardedWeights) else _pack(tensors)
+        self._weights, self.version = weights, version
+        ray.get([self._push(i, weights, version) for i in range(len(self.pool))])
 
     def sleep(self) -> None:
         self.pool.call_all("sleep", [(i, ()) for i in range(len(self.pool))])
@@ -729,10 +808,9 @@ class RayLearner:
                 raise NonFiniteError(str(cause)) from None
             raise
 
-    def rollout_weights(self) -> dict[str, Tensor]:
-        import ray
-
-        return _unpack(ray.get([a.export_weights.remote() for a in self.actors])[0])[0]
+    def rollout_weights(self) -> ShardedWeights:
+        """Each rank's own pieces, as refs (no gather: see `ShardedWeights`)."""
+        return ShardedWeights([a.local_shards.remote() for a in self.actors])
 
     def lora_config(self) -> dict[str, Any] | None:
         import ray

@@ -58,7 +58,9 @@ class RemoteRollout:
         self._rows += int(after.get("rows", 0) - before.get("rows", 0))
         return trajs
 
-    def update_weights(self, tensors: dict[str, Any], version: int) -> None:
+    def update_weights(self, tensors: Any, version: int) -> None:
+        if hasattr(tensors, "whole"):  # an FSDP learner's pieces: put them together here
+            tensors = tensors.whole()
         kw: dict[str, Any] = {}
         if self.lora_config is not None:
             kw["lora_config"] = self.lora_config  # the server adds the adapter first

@@ -57,6 +57,22 @@ def still_frames(media: np.ndarray) -> np.ndarray:
     return media[:, media.shape[1] // 2] if media.ndim == 5 else media
 
 
+def group_stats(rewards: np.ndarray, n: int, trajs: list[Any]) -> dict[str, float]:
+    """Per prompt group of ``n`` samples: the fraction of groups whose rewards are all equal
+    (no advantage, no gradient: `reward/frac_zero_std`), and how different the group's
+    samples are (`samples/diversity`: the mean per-element std of a group's final latents over
+    the std of all of them; 0 = a collapsed group, ~1 = as varied as the batch)."""
+    groups = rewards.reshape(-1, n)
+    out = {"reward/frac_zero_std": float((groups.std(axis=1) < 1e-8).mean())}
+    if trajs and trajs[0].final_latent is not None:
+        lat = torch.stack([t.final_latent for t in trajs]).float()
+        lat = lat.reshape(-1, n, *lat.shape[1:])
+        spread = float(lat.std())
+        if spread > 0:
+            out["samples/diversity"] = float(lat.std(dim=1).mean()) / spread
+    return out
+
+
 def _stack(trajs: list[Any], attr: str) -> torch.Tensor:
     return torch.stack([getattr(t, attr) for t in trajs])
 
@@ -194,15 +210,15 @@ class DiffusionLoop:
             if "non-finite" in str(exc):
                 path = self.save_bad_samples(trajs, media, step, None, "reward")
                 raise NonFiniteError(
-                    f"step {step}: non-finite reward ({exc}); samples saved to {path}"
+                    f"step {step + 1}: non-finite reward ({exc}); samples saved to {path}"
                 ) from None
-            raise TrainError(f"step {step}: reward failed: {exc}") from None
+            raise TrainError(f"step {step + 1}: reward failed: {exc}") from None
         scores = np.asarray(out.scores, dtype=np.float64)
         bad = ~np.isfinite(scores)
         if bad.any():
             path = self.save_bad_samples(trajs, media, step, scores, "reward")
             raise NonFiniteError(
-                f"step {step}: reward is NaN/inf for {int(bad.sum())} of {len(scores)} samples "
+                f"step {step + 1}: reward is NaN/inf for {int(bad.sum())} of {len(scores)} samples "
                 f"(indices {np.flatnonzero(bad)[:8].tolist()}); samples saved to {path}"
             )
         details = {}
@@ -216,7 +232,7 @@ class DiffusionLoop:
         self, trajs: list[Any], media: Any, step: int, scores: np.ndarray | None, what: str
     ) -> Path:
         """The step's images and a JSON of prompts/seeds/rewards under nonfinite/step_XXXX."""
-        out = self.run_dir / "nonfinite" / f"step_{step:04d}"
+        out = self.run_dir / "nonfinite" / f"step_{step + 1:04d}"
         out.mkdir(parents=True, exist_ok=True)
         if media is not None:
             save_sample_grid(still_frames(media), out / "samples.png", cols=self.recipe.rollout.n)
@@ -266,12 +282,36 @@ class DiffusionLoop:
         return replay_batch(trajs, adv), info
 
     # ------------------------------------------------------------------ validation
+    def validation_set(self) -> tuple[list[str], list[Any], bool]:
+        """(prompts, their condition images or Nones, held out?): `data.val_prompts`, else
+        `data.val_file`'s rows, else the first training prompts (not held out)."""
+        from ..data import read_data_file
+
+        d = self.recipe.data
+        needs = self.ports.needs_images
+        if d.val_file is not None:
+            rows = read_data_file(d.val_file, "data.val_file")
+            if needs and any(row.image is None for row in rows):
+                raise TrainError(
+                    "data.val_file: the model is image-conditioned; every validation row "
+                    "needs an 'image'"
+                )
+            return [row.prompt for row in rows], [row.image for row in rows], True
+        if d.val_prompts:
+            prompts = list(d.val_prompts)  # row i's image when the model takes one
+            return prompts, [i if needs else None for i in range(len(prompts))], True
+        prompts = self.data.prompts[: d.prompts_per_step]
+        return prompts, [i if needs else None for i in range(len(prompts))], False
+
     def validate(self, step: int) -> dict[str, float]:
-        """Deterministic ODE sampling (noise 0) of the validation prompts."""
+        """Deterministic ODE sampling (noise 0) of the validation prompts after step ``step``
+        (0: before training); per-part means of the reward's details too."""
         from diffusion_rollout import RolloutRequest
 
+        from ..data import ImageRef
+
         r = self.recipe
-        prompts = list(r.data.val_prompts or self.data.prompts[: r.data.prompts_per_step])
+        prompts, images, _ = self.validation_set()
         params = r.sampling_params(
             sde_kind="ode",
             noise_level=0.0,
@@ -281,7 +321,11 @@ class DiffusionLoop:
             output="both",
         )
         reqs = []
-        for pi, prompt in enumerate(prompts):
+        for pi, (prompt, image) in enumerate(zip(prompts, images)):
+            if isinstance(image, ImageRef):
+                image = image.load()
+            elif isinstance(image, int):
+                image = self.data.val_image(image)
             for k in range(r.trainer.val_samples_per_prompt):
                 reqs.append(
                     RolloutRequest(
@@ -289,7 +333,7 @@ class DiffusionLoop:
                         seed=derive_seed(r.trainer.seed, 0, pi * 1000 + k, DOMAIN_VAL),
                         params=params,
                         request_id=f"val{step}-{len(reqs)}",
-                        image=self.data.val_image(pi) if self.ports.needs_images else None,
+                        image=image,
                     )
                 )
         with self.learner.eval_weights():
@@ -298,21 +342,26 @@ class DiffusionLoop:
         out = self.reward(inp)
         scores = np.asarray(out.scores, dtype=np.float64)
         assert media is not None
+        samples = self.run_dir / "samples"
         if media.ndim == 5:  # video: the first sample's frames side by side
-            save_frame_strip(media[0], self.run_dir / "samples" / f"val_step_{step:04d}_frames.png")
+            save_frame_strip(media[0], samples / f"val_step_{step:04d}_frames.png")
         if waves is not None:
             save_waveform_plot(
-                waves[0],
-                int(inp.sample_rate),
-                self.run_dir / "samples" / f"val_step_{step:04d}_audio.png",
+                waves[0], int(inp.sample_rate), samples / f"val_step_{step:04d}_audio.png"
             )
         save_sample_grid(
             still_frames(media),
-            self.run_dir / "samples" / f"val_step_{step:04d}.png",
+            samples / f"val_step_{step:04d}.png",
             cols=r.trainer.val_samples_per_prompt,
-            labels=[f"{s:.3f}" for s in scores],
+            labels=[f"{s:.2f}" for s in scores],
+            row_labels=prompts,
         )
-        return {"val/reward_mean": float(scores.mean()), "val/reward_std": float(scores.std())}
+        metrics = {"val/reward_mean": float(scores.mean()), "val/reward_std": float(scores.std())}
+        for k, v in (out.details or {}).items():
+            arr = np.asarray(v)
+            if arr.ndim == 1 and np.issubdtype(arr.dtype, np.number) and len(arr) == len(scores):
+                metrics[f"val/{k}_mean"] = float(np.nanmean(arr))
+        return metrics
 
     # ------------------------------------------------------------------ the loop
     def train(self, resume_from: str | Path | None = None) -> list[dict[str, Any]]:
@@ -336,6 +385,14 @@ class DiffusionLoop:
             rollout = SyncRollout(self.ports.rollout, self.requests_for, self.version)
         rows: list[dict[str, Any]] = []
         self.run.start(start)
+        if t.val_every:
+            if not self.validation_set()[2]:
+                self.run.say(
+                    "validation: no data.val_file or data.val_prompts, so it samples the first "
+                    "training prompts (not held out)"
+                )
+            if start == 0:
+                self.run.log_baseline(self.validate(0))
         # scores waves while the next ones roll out (reward.overlap); one thread keeps the
         # reward's own order and thread use as they are
         self.reward_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
@@ -382,12 +439,12 @@ class DiffusionLoop:
                 metrics = self.learner.update(batch, step, correction)  # 4
             except NonFiniteError as exc:
                 path = self.save_bad_samples(trajs, media, step, rewards, "loss")
-                raise NonFiniteError(f"step {step}: {exc}; samples saved to {path}") from None
+                raise NonFiniteError(f"step {step + 1}: {exc}; samples saved to {path}") from None
         self.version = step + 1
         rollout.push_weights(self.learner.rollout_weights(), self.version)  # 5
         t3 = time.perf_counter()
         row: dict[str, Any] = {  # 6
-            "step": step,
+            "step": step + 1,
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()),
             "reward/min": float(rewards.min()),
@@ -395,6 +452,7 @@ class DiffusionLoop:
         }
         for k, v in details.items():
             row[f"reward/{k}_mean"] = float(np.nanmean(v))
+        row.update(group_stats(rewards, r.rollout.n, trajs))
         row.update(info)
         row.update(metrics)
         row.update(stale)
@@ -407,17 +465,18 @@ class DiffusionLoop:
         if sample_due(self.recipe, step) and media is not None:
             path = save_sample_grid(
                 still_frames(media),
-                self.run_dir / "samples" / f"step_{step:04d}.png",
+                self.run_dir / "samples" / f"step_{step + 1:04d}.png",
                 cols=r.rollout.n,
-                labels=[f"{s:.3f}" for s in rewards],
+                labels=[f"{s:.2f}" for s in rewards],
+                row_labels=[t.prompt for t in trajs[:: r.rollout.n]],
             )
             if self.run.logger.tb is not None or self.run.logger.wandb is not None:
                 from PIL import Image
 
-                self.run.logger.log_image("samples", np.asarray(Image.open(path)), step)
+                self.run.logger.log_image("samples", np.asarray(Image.open(path)), step + 1)
         t4 = time.perf_counter()
         if val_due(self.recipe, step):
-            row.update(self.validate(step))
+            row.update(self.validate(step + 1))
         t5 = time.perf_counter()
         if save_due(self.recipe, step):
             self.run.save(step + 1, self.learner, self.version, diffusers_lora=True)

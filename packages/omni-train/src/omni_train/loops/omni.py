@@ -118,7 +118,7 @@ class OmniLoop:
         what: str,
     ) -> Path:
         """The step's images and a JSON of prompts/responses/rewards under nonfinite/."""
-        out = self.run_dir / "nonfinite" / f"step_{step:04d}"
+        out = self.run_dir / "nonfinite" / f"step_{step + 1:04d}"
         out.mkdir(parents=True, exist_ok=True)
         save_sample_grid(images_of(items), out / "samples.png", cols=self.recipe.rollout.n)
         rows = []
@@ -172,6 +172,8 @@ class OmniLoop:
             self.ports.rollout.update_weights(self.learner.rollout_weights(), self.version)
         rows: list[dict[str, Any]] = []
         self.run.start(start)
+        if r.trainer.val_every and start == 0:  # the baseline: the model before any update
+            self.run.log_baseline(self.validate(0))
         try:
             for step in range(start, r.trainer.steps):
                 rows.append(self.train_step(step))
@@ -201,7 +203,7 @@ class OmniLoop:
         if bad.any():
             path = self.save_bad_samples(items, out["texts"], seeds, step, rewards, "reward")
             raise NonFiniteError(
-                f"step {step}: reward is NaN/inf for {int(bad.sum())} of {len(rewards)} samples "
+                f"step {step + 1}: reward is NaN/inf for {int(bad.sum())} of {len(rewards)} samples "
                 f"(indices {np.flatnonzero(bad)[:8].tolist()}); samples saved to {path}"
             )
         t2 = time.perf_counter()
@@ -215,19 +217,22 @@ class OmniLoop:
             metrics = self.learner.update(batch, step)  # 4
         except NonFiniteError as exc:
             path = self.save_bad_samples(items, out["texts"], seeds, step, rewards, "loss")
-            raise NonFiniteError(f"step {step}: {exc}; samples saved to {path}") from None
+            raise NonFiniteError(f"step {step + 1}: {exc}; samples saved to {path}") from None
         self.version = step + 1
         self.ports.rollout.update_weights(self.learner.rollout_weights(), self.version)  # 5
         t3 = time.perf_counter()
         lengths = out["mask"].sum(-1).float()  # 6
         row: dict[str, Any] = {
-            "step": step,
+            "step": step + 1,
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()),
             "reward/min": float(rewards.min()),
             "reward/max": float(rewards.max()),
             "reward/answered_frac": float(np.mean([bool(s.strip()) for s in shown])),
         }
+        row["reward/frac_zero_std"] = float(
+            (rewards.reshape(-1, r.rollout.n).std(axis=1) < 1e-8).mean()
+        )
         row.update(metrics)
         row["actor/adv_abs_mean"] = float(adv.abs().mean())
         row["rollout/rows"] = len(items)
@@ -245,7 +250,7 @@ class OmniLoop:
             ]
             path = save_sample_grid(
                 images_of([items[i] for i in firsts]),
-                self.run_dir / "samples" / f"step_{step:04d}.png",
+                self.run_dir / "samples" / f"step_{step + 1:04d}.png",
                 cols=len(firsts),
                 labels=[lab[:40] for lab in labels],
             )
@@ -266,10 +271,10 @@ class OmniLoop:
             if self.run.logger.tb is not None or self.run.logger.wandb is not None:
                 from PIL import Image
 
-                self.run.logger.log_image("samples", np.asarray(Image.open(path)), step)
+                self.run.logger.log_image("samples", np.asarray(Image.open(path)), step + 1)
         t4 = time.perf_counter()
         if val_due(self.recipe, step):
-            row.update(self.validate(step))
+            row.update(self.validate(step + 1))
         t5 = time.perf_counter()
         if save_due(self.recipe, step):
             self.run.save(step + 1, self.learner, self.version, diffusers_lora=False)

@@ -6,8 +6,12 @@
     <run>/checkpoint/        `omni_train.checkpoint` folders, the learner's whole state
     <run>/reward_curve.png   the reward (and validation) per step, redrawn at the end
 
-Step numbers: ``step`` counts from 0; the checkpoint written after step ``s`` is
-``step_{s+1}`` (the number of completed steps), the one a resume starts from.
+Step numbers are the same everywhere: step N is the N-th training step (1-based), its row has
+``"step": N``, its grid is ``samples/step_N.png``, the validation after it
+``samples/val_step_N.png`` and the checkpoint after it ``checkpoint/step_N`` (N completed
+steps, the one a resume starts from). Step 0 is the model before training: its validation row
+(``"step": 0``) is the baseline. The loops count the step index k = N - 1 internally (seeds,
+data order).
 """
 
 from __future__ import annotations
@@ -36,22 +40,23 @@ RUN_OUTPUTS = (
 )
 
 
-def sample_due(recipe: Recipe, step: int) -> bool:
-    """Does step `step` write a sample grid (`trainer.sample_every`, and the last step)?"""
-    t = recipe.trainer
-    return bool(t.sample_every) and (step % t.sample_every == 0 or step + 1 == t.steps)
+def sample_due(recipe: Recipe, index: int) -> bool:
+    """Does step N = index + 1 write a sample grid (the first, every `trainer.sample_every`,
+    the last)?"""
+    t, n = recipe.trainer, index + 1
+    return bool(t.sample_every) and (n == 1 or n % t.sample_every == 0 or n == t.steps)
 
 
-def val_due(recipe: Recipe, step: int) -> bool:
-    """Does step `step` end with validation (`trainer.val_every`, and the last step)?"""
-    t = recipe.trainer
-    return bool(t.val_every) and ((step + 1) % t.val_every == 0 or step + 1 == t.steps)
+def val_due(recipe: Recipe, index: int) -> bool:
+    """Does step N = index + 1 end with validation (every `trainer.val_every`, the last)?"""
+    t, n = recipe.trainer, index + 1
+    return bool(t.val_every) and (n % t.val_every == 0 or n == t.steps)
 
 
-def save_due(recipe: Recipe, step: int) -> bool:
-    """Does step `step` end with a checkpoint (`trainer.save_every`, and the last step)?"""
-    t = recipe.trainer
-    return (bool(t.save_every) and (step + 1) % t.save_every == 0) or step + 1 == t.steps
+def save_due(recipe: Recipe, index: int) -> bool:
+    """Does step N = index + 1 end with a checkpoint (every `trainer.save_every`, the last)?"""
+    t, n = recipe.trainer, index + 1
+    return (bool(t.save_every) and n % t.save_every == 0) or n == t.steps
 
 
 def clear_run_dir(run_dir: Path) -> None:
@@ -122,7 +127,7 @@ class RunFolder:
         ck = load_checkpoint(checkpoint)
         learner.load_state(ck.trainable, ck.optimizer)
         ck.restore_rng()
-        self.logger.truncate_after(ck.step - 1)
+        self.logger.truncate_after(ck.step)
         return ck.step, int(ck.state.get("version", ck.step))
 
     # ------------------------------------------------------------------ progress and logs
@@ -139,18 +144,28 @@ class RunFolder:
         )
 
     def log(self, row: dict[str, Any]) -> None:
-        """Append the step's row; advance the bar; a console line every `log_every` steps."""
+        """Append step N's row; advance the bar; a console line every `log_every` steps."""
         t = self.recipe.trainer
         self.logger.log(row)
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{row['reward/mean']:.4f}")
-        step = int(row["step"])
-        if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
-            msg = console_line(row, t.steps)
-            if t.progress:
-                self.bar.write(msg)
-            else:
-                print(msg, flush=True)
+        n = int(row["step"])
+        if n % t.log_every == 0 or n == t.steps:
+            self.say(console_line(row, t.steps))
+
+    def log_baseline(self, metrics: dict[str, float]) -> None:
+        """The step-0 row: validation of the model before any update."""
+        self.logger.log({"step": 0, **metrics})
+        val = metrics.get("val/reward_mean")
+        if val is not None:
+            self.say(f"step    0/{self.recipe.trainer.steps}  val {val:.4f}  (before training)")
+
+    def say(self, message: str) -> None:
+        """A console line that does not break the progress bar."""
+        if self.recipe.trainer.progress and self.bar is not None:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
 
     def finish(self, val_label: str = "val reward") -> None:
         if self.bar is not None:

@@ -83,6 +83,9 @@ class UpdateSettings:
     options: dict[str, Any] = field(default_factory=dict)
     #: token kind: constrained-decoding token ids the replay masks to (None: off)
     allowed_tokens: tuple[int, ...] | None = None
+    #: after the update, measure the policy's KL to the reference (the LoRA-off model) on a
+    #: micro-batch: `policy/kl_to_ref` (when the loss has no KL term of its own to log)
+    measure_kl_ref: bool = False
 
     @classmethod
     def from_recipe(
@@ -97,6 +100,7 @@ class UpdateSettings:
             ema_decay=o.ema_decay,
             options=dict(a.options),
             allowed_tokens=None if allowed_tokens is None else tuple(allowed_tokens),
+            measure_kl_ref=recipe.lora.enabled and a.kl_beta == 0,
         )
 
 

@@ -249,6 +249,17 @@ def sde_replay_update(
     )
     out = metrics.means()
     out.update(corr_metrics.means())
+    if s.measure_kl_ref:  # where the updated policy stands: its KL to the LoRA-off reference
+        rows = plan.prepass[0]  # the same micro-batch count on every rank: collectives agree
+        kl_sum = 0.0
+        for js in item_groups(W, plan.prepass_pack):
+            now = replay_steps(ctx.adapter, batch, rows, js, grad=False)
+            ref = replay_steps(ctx.adapter, batch, rows, js, grad=False, reference=True)
+            for a_, b_ in zip(now, ref):
+                kl = kl_penalty(a_.mean, b_.mean, a_.step_std).metrics["kl"]
+                kl_sum += kl * len(rows) / W
+        total, n = col.all_sum([kl_sum, float(len(rows))])
+        out["policy/kl_to_ref"] = total / n
     s_, c_ = col.all_sum(diff[:2])
     out["rollout/logprob_diff_mean"] = s_ / max(c_, 1.0)
     out["rollout/logprob_diff_max"] = col.all_max([diff[2]])[0]

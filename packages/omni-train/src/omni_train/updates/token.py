@@ -81,6 +81,13 @@ def token_update(ctx: UpdateContext, batch: TokenBatch, plan: UpdatePlan) -> dic
         return loss, lo.metrics
 
     out = run_optimizer_steps(ctx, plan, items=1, micro_loss=micro_loss, units=units).means()
+    if s.measure_kl_ref:  # where the updated policy stands: its k3 KL to the LoRA-off model
+        rows = plan.prepass[0]
+        with torch.no_grad():
+            lp, m = replay(rows)
+        ref, _ = replay(rows, reference=True)
+        total, n = col.all_sum([float(k3_kl(lp, ref, m)) * len(rows), float(len(rows))])
+        out["policy/kl_to_ref"] = total / n
     # one name for the ratio and the KL across gspo (sequence ratio) and grpo (token ratio)
     if "actor/seq_ratio_mean" in out:
         out["actor/ratio_mean"] = out["actor/seq_ratio_mean"]
