@@ -17,3 +17,28 @@ def rollout_and_score(loop, step: int = 0):
     trajs = loop.ports.rollout.generate_many(loop.requests_for(step))
     rewards, _, _ = loop.score(trajs, step)
     return trajs, rewards
+
+
+def minimal_recipe(run_dir, model, **trainer) -> dict:
+    """A small trainable recipe dict on a tiny SD3 at `model` (brightness reward)."""
+    return {
+        "experiment": "test",
+        "model": {"path": str(model), "tiny": "sd3"},
+        "data": {"prompts": ["a red square", "a blue circle"], "prompts_per_step": 2},
+        "rollout": {
+            "n": 4,
+            "height": 32,
+            "width": 32,
+            "num_steps": 4,
+            "sde_window_size": 2,
+            "sde_window_range": [0, 2],
+        },
+        "reward": {"name": "brightness"},
+        "trainer": {
+            "steps": 2,
+            "output_dir": str(run_dir),
+            "progress": False,
+            "sample_every": 0,
+            **trainer,
+        },
+    }

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +100,97 @@ def test_latest_and_pruning(tmp_path: Path) -> None:
     # re-saving an existing step replaces it
     save_checkpoint(tmp_path / "ck", 3, params, opt.state_dict(), state={"again": True})
     assert load_checkpoint(tmp_path / "ck").state["again"] is True
+
+
+# --- a damaged or half-written run: nothing lost, the newest good checkpoint, one clear line
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "truncated tensors": lambda ck: (ck / "trainable.safetensors").write_bytes(
+        (ck / "trainable.safetensors").read_bytes()[:100]
+    ),
+    "empty optimizer": lambda ck: (ck / "optimizer.safetensors").write_bytes(b""),
+    "truncated state.json": lambda ck: (ck / "state.json").write_text('{"step": 3, "ver'),
+    "wrong-typed step": lambda ck: (ck / "state.json").write_text('{"step": "three"}'),
+    "missing optimizer.json": lambda ck: (ck / "optimizer.json").unlink(),
+    "flipped byte": lambda ck: _flip_byte(ck / "trainable.safetensors"),
+    "flipped rng byte": lambda ck: _flip_byte(ck / "rng.safetensors"),
+}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_sd3):
+    """A 3-step run with a checkpoint after each step, and its metrics."""
+    from omni_train_testutils import minimal_recipe
+
+    from omni_train import train
+    from omni_train.recipe import recipe_from_dict
+
+    tmp = tmp_path_factory.mktemp("ck")
+    d = minimal_recipe(tmp / "run", tiny_sd3, steps=3, save_every=1, keep_checkpoints=3)
+    rows = train(recipe_from_dict(d))
+    return tmp / "run", rows
+
+
+def _det(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
+
+
+@pytest.mark.parametrize("what", sorted(CORRUPTIONS))
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(
+    what, finished_run, tmp_path, capsys
+) -> None:
+    from omni_train.cli import main
+    from omni_train.plots import read_metrics
+
+    src, rows = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    CORRUPTIONS[what](run / "checkpoint" / "step_0003")
+    assert main(["resume", str(run), "trainer.steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "step_0003" in out and "falling back" in out, out
+    assert _det(read_metrics(run / "metrics.jsonl")) == _det(rows)  # step 3 trained again
+    assert (run / "checkpoint" / "step_0003" / "manifest.json").is_file()  # and saved anew
+
+
+def test_no_good_checkpoint_is_one_line(finished_run, tmp_path, capsys) -> None:
+    from omni_train.cli import main
+
+    src, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    for ck in (run / "checkpoint").glob("step_*"):
+        (ck / "trainable.safetensors").write_bytes(b"")
+    assert main(["resume", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no checkpoint of" in err and "trainable.safetensors" in err
+
+
+def test_cut_metrics_line_stale_saves_and_a_row_lost_between_save_and_log(
+    finished_run, tmp_path
+) -> None:
+    """A kill can leave: a half-written last metrics line, a temp folder of a save, and a
+    checkpoint whose step's row never reached metrics.jsonl. The resumed run ends with the
+    uninterrupted run's metrics and no leftovers."""
+    from omni_train import resume
+    from omni_train.plots import read_metrics
+
+    src, rows = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    # the row of step 3 was never appended (killed right after its checkpoint), and the
+    # append of a row before it was cut mid-line
+    (run / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:20])
+    (run / "checkpoint" / ".tmp-step_0004-999").mkdir()
+    (run / "checkpoint" / ".tmp-step_0004-999" / "trainable.safetensors").write_bytes(b"x" * 64)
+    resume(run, ["trainer.steps=3"])
+    assert _det(read_metrics(run / "metrics.jsonl")) == _det(rows)
+    assert not any(p.name.startswith(".tmp-") for p in (run / "checkpoint").iterdir())

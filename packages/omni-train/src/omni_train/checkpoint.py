@@ -9,10 +9,15 @@ Layout of `<run>/checkpoint/`:
       optimizer.safetensors      optimizer state tensors, keys `state.<param index>.<name>`
       optimizer.json             optimizer param groups and non-tensor state
       rng.safetensors / rng.json torch, numpy and python RNG states
-      state.json                 step, weights version, anything the trainer needs; written last
+      manifest.json              SHA-256 and size of every other file
+      state.json                 step, weights version, the step's metrics row; written last
 
 A checkpoint is written into a temporary folder and renamed into place, and `latest` is
-replaced atomically afterwards, so a crash mid-save never leaves a broken latest checkpoint.
+replaced atomically afterwards, so a crash mid-save never leaves a broken latest checkpoint;
+temp folders a killed save left are removed at the next start (`remove_stale_saves`).
+Loading verifies every file against the manifest: a truncated, emptied, flipped or missing
+file is a `CheckpointError` naming the file, and `newest_good_checkpoint` falls back to the
+newest checkpoint that verifies.
 """
 
 from __future__ import annotations
@@ -105,6 +110,10 @@ def restore_rng(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
 
 
+class CheckpointError(TrainError):
+    """A checkpoint that does not verify; the message names the folder and the file."""
+
+
 @dataclass
 class Checkpoint:
     path: Path
@@ -185,6 +194,7 @@ def save_checkpoint(
     rng_tensors, rng_meta = capture_rng()
     save_file(rng_tensors, str(tmp / "rng.safetensors"))
     _write_json(tmp / "rng.json", rng_meta)
+    _write_json(tmp / "manifest.json", _manifest(tmp))
     _write_json(tmp / "state.json", {"step": step, **(state or {})})
     _fsync_dir(tmp)
 
@@ -206,15 +216,93 @@ def save_checkpoint(
     return final
 
 
-def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
-    """The newest complete checkpoint folder, or None."""
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, Any]:
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return {
+        "files": {
+            str(p.relative_to(folder)): {"sha256": _sha256(p), "bytes": p.stat().st_size}
+            for p in files
+            if p.name not in ("manifest.json", "state.json")
+        }
+    }
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Check every file of a checkpoint against its manifest (and that the JSON parses);
+    `CheckpointError` naming the first bad file."""
+    p = Path(path)
+
+    def bad(name: str, why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {p}: {name} {why}")
+
+    for name in ("state.json", "manifest.json"):
+        if not (p / name).is_file():
+            raise bad(name, "is missing")
+    try:
+        manifest = json.loads((p / "manifest.json").read_text())
+        state = json.loads((p / "state.json").read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad("state.json / manifest.json", f"is not valid JSON ({exc})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise bad("state.json", f"has no integer 'step' ({str(state)[:80]})")
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise bad("manifest.json", "has no 'files' table")
+    for name, want in files.items():
+        f = p / name
+        if not f.is_file():
+            raise bad(name, "is missing")
+        if f.stat().st_size != want.get("bytes") or _sha256(f) != want.get("sha256"):
+            raise bad(name, "does not match its hash in manifest.json (truncated or changed)")
+
+
+def remove_stale_saves(ckpt_root: str | Path) -> list[str]:
+    """Remove what killed saves left under `ckpt_root` (temp, swap and latest-pointer files);
+    returns their names."""
     root = Path(ckpt_root)
-    latest = root / "latest"
-    if latest.is_file():
-        cand = root / latest.read_text().strip()
-        if (cand / "state.json").is_file():
-            return cand
-    done = sorted(p for p in root.glob("step_*") if (p / "state.json").is_file())
+    if not root.is_dir():
+        return []
+    gone = []
+    for p in sorted(root.iterdir()):
+        if p.name.startswith((".tmp-step_", ".old-step_", ".latest-")):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            gone.append(p.name)
+    return gone
+
+
+def checkpoints(ckpt_root: str | Path) -> list[Path]:
+    """Every complete checkpoint folder (with a state.json), oldest first."""
+    root = Path(ckpt_root)
+    done = [p for p in root.glob("step_*") if (p / "state.json").is_file()]
+    return sorted(done, key=lambda p: p.name)
+
+
+def newest_good_checkpoint(ckpt_root: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies, and why each newer one was passed over."""
+    skipped = []
+    for cand in reversed(checkpoints(ckpt_root)):
+        try:
+            verify_checkpoint(cand)
+        except CheckpointError as exc:
+            skipped.append(str(exc))
+            continue
+        return cand, skipped
+    return None, skipped
+
+
+def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
+    """The newest complete checkpoint folder (not verified), or None."""
+    done = checkpoints(ckpt_root)
     return done[-1] if done else None
 
 
@@ -231,14 +319,21 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         if found is None:
             raise TrainError(f"no complete checkpoint under {p}")
         p = found
-    state = json.loads((p / "state.json").read_text())
-    trainable = load_file(str(p / "trainable.safetensors"))
-    optimizer = None
-    if (p / "optimizer.json").is_file():
-        optimizer = optimizer_state_from_safe(
-            load_file(str(p / "optimizer.safetensors")),
-            json.loads((p / "optimizer.json").read_text()),
-        )
-    rng_tensors = load_file(str(p / "rng.safetensors"))
-    rng_meta = json.loads((p / "rng.json").read_text())
-    return Checkpoint(p, int(state["step"]), trainable, optimizer, rng_tensors, rng_meta, state)
+    if (p / "manifest.json").is_file():
+        verify_checkpoint(p)
+    try:
+        state = json.loads((p / "state.json").read_text())
+        trainable = load_file(str(p / "trainable.safetensors"))
+        optimizer = None
+        if (p / "optimizer.json").is_file():
+            optimizer = optimizer_state_from_safe(
+                load_file(str(p / "optimizer.safetensors")),
+                json.loads((p / "optimizer.json").read_text()),
+            )
+        rng_tensors = load_file(str(p / "rng.safetensors"))
+        rng_meta = json.loads((p / "rng.json").read_text())
+        step = int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # a checkpoint of an older
+        # layout without a manifest that is broken anyway: say which, never a traceback
+        raise CheckpointError(f"checkpoint {p} cannot be read: {exc}") from None
+    return Checkpoint(p, step, trainable, optimizer, rng_tensors, rng_meta, state)

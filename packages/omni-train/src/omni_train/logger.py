@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import secrets
 from pathlib import Path
 from typing import Any
@@ -47,22 +48,28 @@ class MetricsLogger:
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows with `step` > the given step (a resumed run rewrites them)."""
-        if not self.path.is_file():
-            return
-        keep = []
-        for line in self.path.read_text().splitlines():
-            if line.strip() and json.loads(line).get("step", -1) <= step:
-                keep.append(line)
+        """Drop rows with `step` > the given step (a resumed run rewrites them), and a last
+        line a kill cut short."""
+        from .plots import read_metrics
+
+        keep = [json.dumps(r) for r in read_metrics(self.path) if r.get("step", -1) <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in keep))
         tmp.replace(self.path)
 
+    def steps(self) -> set[int]:
+        """The step numbers that have a row."""
+        from .plots import read_metrics
+
+        return {int(r["step"]) for r in read_metrics(self.path) if "step" in r}
+
     def log(self, row: dict[str, Any]) -> None:
         row = {k: _clean(v) for k, v in row.items()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
+        with self.path.open("a") as f:  # durable before the checkpoint that follows it
             f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         if self.tb is not None:
             step = int(row["step"])
             for k, v in row.items():

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from .algorithms import algorithm
-from .checkpoint import latest_checkpoint
+from .checkpoint import newest_good_checkpoint, verify_checkpoint
 from .errors import TrainError
 from .plots import read_metrics
 from .recipe import Recipe, load_recipe
@@ -79,7 +79,7 @@ def existing_run(recipe: Recipe, run_dir: Path) -> Path | None:
             f"trainer.output_dir: {run_dir} holds a run of another recipe ({diff}); pick another "
             "folder (trainer.output_dir=...) or start over there with trainer.overwrite=true"
         )
-    ck = latest_checkpoint(run_dir / "checkpoint")
+    ck = good_checkpoint(run_dir)
     if ck is None:
         print(
             f"{run_dir} holds this recipe's run but no checkpoint yet: starting it over", flush=True
@@ -89,11 +89,22 @@ def existing_run(recipe: Recipe, run_dir: Path) -> Path | None:
     return ck
 
 
+def good_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint of a run that verifies (`omni_train.checkpoint.verify_checkpoint`),
+    saying which damaged newer ones it passes over; TrainError when they all are damaged."""
+    ck, skipped = newest_good_checkpoint(run_dir / "checkpoint")
+    for why in skipped:
+        print(f"resume: {why}; falling back to an older checkpoint", flush=True)
+    if ck is None and skipped:
+        raise TrainError(f"resume: no checkpoint of {run_dir} verifies ({skipped[-1]})")
+    return ck
+
+
 def _run(
     recipe: Recipe, run_dir: str | Path | None, resume_from: Path | None
 ) -> list[dict[str, Any]]:
     from .backends import make_ports
-    from .checkpoint import load_checkpoint_state
+    from .checkpoint import load_checkpoint_state, remove_stale_saves
     from .loops import DiffusionLoop, OmniLoop
 
     if recipe.trainer.backend == "verl":  # verl runs the whole omni loop itself
@@ -103,9 +114,15 @@ def _run(
             raise TrainError("resume: a verl run resumes with verl's own trainer.resume_mode")
         return run_verl(recipe, run_dir)
     folder = Path(run_dir) if run_dir is not None else recipe.output_dir()
+    remove_stale_saves(folder / "checkpoint")  # what a killed save left behind
     if resume_from is not None:
-        done = int(load_checkpoint_state(resume_from)["step"])
+        state = load_checkpoint_state(resume_from)
+        done = int(state["step"])
         if done >= recipe.trainer.steps:
+            from .logger import MetricsLogger
+            from .loops.run import repair_metrics
+
+            repair_metrics(MetricsLogger(folder), done, state)
             print(
                 f"{folder} is complete ({done} of trainer.steps={recipe.trainer.steps}); raise "
                 "trainer.steps to continue it, or trainer.overwrite=true to start over",
@@ -143,9 +160,11 @@ def resume(
         if not (ck / "state.json").is_file():
             have = sorted(p.name for p in (run / "checkpoint").glob("step_*"))
             raise TrainError(f"resume --checkpoint: {ck} is not a checkpoint; have: {have}")
+        verify_checkpoint(ck)
     else:
-        ck = latest_checkpoint(run / "checkpoint")
-        if ck is None:
+        found = good_checkpoint(run)
+        if found is None:
             raise TrainError(f"resume: {run} has no complete checkpoint under {run / 'checkpoint'}")
+        ck = found
     recipe = load_recipe(recipe_path, [*list(overrides or []), f"trainer.output_dir={run}"])
     return _run(recipe, run, ck)

@@ -479,7 +479,7 @@ class DiffusionLoop:
             row.update(self.validate(step + 1))
         t5 = time.perf_counter()
         if save_due(self.recipe, step):
-            self.run.save(step + 1, self.learner, self.version, diffusers_lora=True)
+            self.run.save(step + 1, self.learner, self.version, diffusers_lora=True, row=row)
         t6 = time.perf_counter()
         row["timing/rollout_s"] = t1 - t0
         row["timing/reward_s"] = t2 - t1  # what the rollout did not hide

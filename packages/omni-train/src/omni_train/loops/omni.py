@@ -277,7 +277,7 @@ class OmniLoop:
             row.update(self.validate(step + 1))
         t5 = time.perf_counter()
         if save_due(self.recipe, step):
-            self.run.save(step + 1, self.learner, self.version, diffusers_lora=False)
+            self.run.save(step + 1, self.learner, self.version, diffusers_lora=False, row=row)
         t6 = time.perf_counter()
         n_tok = int(out["mask"].sum())
         row["timing/rollout_s"] = t1 - t0

@@ -21,12 +21,20 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import load_checkpoint, remove_stale_saves, save_checkpoint
 from ..logger import MetricsLogger, console_line, open_logger
 from ..plots import plot_reward_curve, read_metrics
 from ..recipe import Recipe, dump_recipe
 
-__all__ = ["RUN_OUTPUTS", "RunFolder", "clear_run_dir", "sample_due", "save_due", "val_due"]
+__all__ = [
+    "RUN_OUTPUTS",
+    "RunFolder",
+    "clear_run_dir",
+    "repair_metrics",
+    "sample_due",
+    "save_due",
+    "val_due",
+]
 
 #: files and folders a run writes; a fresh run in an existing folder removes these first
 RUN_OUTPUTS = (
@@ -69,6 +77,16 @@ def clear_run_dir(run_dir: Path) -> None:
             p.unlink()
 
 
+def repair_metrics(logger: MetricsLogger, step: int, state: dict[str, Any]) -> None:
+    """Make metrics.jsonl end at checkpoint `step`: rows after it go (the resumed run writes
+    them again), a line a kill cut short goes, and the step's own row, if a kill came between
+    the save and its append, comes back from the checkpoint."""
+    logger.truncate_after(step)
+    row = state.get("row")
+    if isinstance(row, dict) and step not in logger.steps():
+        logger.log(row)
+
+
 class RunFolder:
     """A run's folder, logger, progress bar and checkpoints."""
 
@@ -78,14 +96,19 @@ class RunFolder:
         if fresh:
             clear_run_dir(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
+        remove_stale_saves(self.path / "checkpoint")  # what a killed save left behind
         (self.path / "recipe.yaml").write_text(dump_recipe(recipe))
         self.logger: MetricsLogger = open_logger(recipe, self.path)
         self.bar: Any = None
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, step: int, learner: Any, version: int, *, diffusers_lora: bool) -> Path:
+    def save(
+        self, step: int, learner: Any, version: int, *, diffusers_lora: bool, row: dict | None
+    ) -> Path:
         """Checkpoint `step_{step}` (completed steps) with the learner's whole state, the LoRA
-        in peft's layout and, for diffusion models, diffusers' `pytorch_lora_weights`."""
+        in peft's layout and, for diffusion models, diffusers' `pytorch_lora_weights`. The
+        step's metrics row goes in too, so a kill between the save and the row's append loses
+        nothing: `restore` writes it back."""
         trainable, optimizer = learner.state()
         lora = learner.lora_export()
         files: dict[str, bytes] = {}
@@ -114,6 +137,7 @@ class RunFolder:
                 "version": version,
                 "experiment": self.recipe.experiment,
                 "backend": self.recipe.trainer.backend,
+                "row": json.loads(json.dumps(row, default=float)) if row is not None else None,
             },
             lora_tensors=None if lora is None else lora[0],
             lora_config=None if lora is None else lora[1],
@@ -127,7 +151,7 @@ class RunFolder:
         ck = load_checkpoint(checkpoint)
         learner.load_state(ck.trainable, ck.optimizer)
         ck.restore_rng()
-        self.logger.truncate_after(ck.step)
+        repair_metrics(self.logger, ck.step, ck.state)
         return ck.step, int(ck.state.get("version", ck.step))
 
     # ------------------------------------------------------------------ progress and logs
