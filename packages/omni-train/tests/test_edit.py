@@ -124,3 +124,28 @@ def test_edit_model_on_backend_ray_is_refused_clearly(tmp_path: Path, tiny_edit)
     d["trainer"] = {**d.get("trainer", {}), "backend": "ray", "num_workers": 1}
     with pytest.raises(TrainError, match=r"model.path: .* is image-conditioned.*backend local"):
         RayTrainer(recipe_from_dict(d)).setup()
+
+
+@pytest.mark.slow
+def test_edit_plus_cpu_twin_trains_a_step(tmp_path: Path) -> None:
+    """The shipped edit recipe's CPU twin (Qwen-Image-Edit-Plus layout, one condition image
+    per row) runs end to end: rollout with the rows' images, a FlowGRPO step, validation."""
+    from omni_train.recipe import load_recipe
+    from omni_train.trainer import train
+
+    repo = Path(__file__).resolve().parents[3]
+    recipe = load_recipe(
+        repo / "recipes" / "cpu" / "qwen_image_edit_lora_flowgrpo.yaml",
+        [
+            f"model.path={tmp_path / 'model'}",
+            f"data.file={repo / 'recipes' / 'data' / 'edit_tiny' / 'train.jsonl'}",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.steps=1",
+            "trainer.val_every=1",
+            "trainer.progress=false",
+        ],
+    )
+    assert recipe.model.tiny == "qwen_image_edit_plus"
+    rows = train(recipe)
+    assert [r["step"] for r in rows] == [0]
+    assert np.isfinite(rows[0]["loss"]) and "val/reward_mean" in rows[0]

@@ -58,6 +58,7 @@ FAMILY_MODULES: dict[str, str] = {
     "sd3": "omni_adapters.families.sd3",
     "qwen_image": "omni_adapters.families.qwen_image",
     "qwen_image_edit": "omni_adapters.families.qwen_image_edit",
+    "qwen_image_edit_plus": "omni_adapters.families.qwen_image_edit_plus",
     "wan22": "omni_adapters.families.wan22",
     "wan22_a14b": "omni_adapters.families.wan22",
     "ltx2": "omni_adapters.families.ltx2",

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..base import register_adapter, write_adapter_options
+from ..base import load_module, register_adapter, write_adapter_options
 from ..diffusion import DiffusionAdapter, to_uint8
 from ..tiny import register_tiny
 
@@ -97,8 +97,11 @@ class LTX2Adapter(DiffusionAdapter):
             if not (isinstance(entry, list) and len(entry) == 2) or entry[0] is None:
                 continue
             library, class_name = entry
+            sub = path / name
+            if device.type == "meta" and not (sub / "config.json").is_file():
+                continue  # config-only folder (architecture checks): tokenizer etc. absent
             if name == "tokenizer":
-                tok = AutoTokenizer.from_pretrained(path / name)
+                tok = AutoTokenizer.from_pretrained(sub)
                 tok.padding_side = "left"
                 out[name] = tok
                 continue
@@ -106,13 +109,10 @@ class LTX2Adapter(DiffusionAdapter):
             klass = getattr(mod, class_name, None)
             if klass is None:
                 raise ValueError(f"{index}: component {name!r}: {library}.{class_name} not found")
-            kwargs = {"torch_dtype": dtype} if library != "transformers" else {"dtype": dtype}
-            if class_name.endswith("Scheduler"):
-                kwargs = {}
-            obj = klass.from_pretrained(path / name, **kwargs)
-            if isinstance(obj, torch.nn.Module):
-                obj = obj.to(device=device).eval()
-            out[name] = obj
+            if isinstance(klass, type) and issubclass(klass, torch.nn.Module):
+                out[name] = load_module(klass, sub, dtype=dtype, device=device)
+            else:
+                out[name] = klass.from_pretrained(sub)
         return out
 
     # --------------------------------------------------------------- text
