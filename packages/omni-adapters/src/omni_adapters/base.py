@@ -291,7 +291,9 @@ def load_module(
             else:
                 config = klass.config_class.from_pretrained(folder, **kwargs)
                 obj = klass._from_config(config, dtype=dtype)
-        return obj.to(dtype=dtype).eval()
+        if next(obj.parameters()).dtype != dtype:
+            obj = obj.to(dtype=dtype)
+        return obj.eval()
     key = "torch_dtype" if diffusers_model else "dtype"
     if not diffusers_model:
         # no pickle: a folder that only has pytorch_model.bin is an error, not a torch.load
