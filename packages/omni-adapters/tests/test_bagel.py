@@ -177,3 +177,17 @@ def test_build_is_deterministic(tmp_path, bagel_path):
     a = load_file(bagel_path / "ema.safetensors")
     assert ck(a) == ck(load_file(again / "ema.safetensors"))
     assert ck(a) != ck(load_file(other / "ema.safetensors"))
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(bagel_path):
+    grads = []
+    for ckpt in (False, True):
+        a = omni_adapters.from_pretrained(bagel_path, gradient_checkpointing=ckpt)
+        a.add_lora(rank=2)
+        perturb_lora(a, seed=1)
+        c = a.encode(["a cat"])
+        x = a.init_latents(1, P, generators([2]))
+        a.replay_velocity(x, a.sigmas(P)[1].expand(1), c, P).square().sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in a.trainable_parameters()]))
+    assert a.model.language_model.model.gradient_checkpointing
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)

@@ -34,6 +34,7 @@ __all__ = [
     "OmniModelBase",
     "adapter_for",
     "from_pretrained",
+    "is_saved_model",
     "load_family_modules",
     "load_module",
     "read_adapter_options",
@@ -194,6 +195,16 @@ def read_architecture(path: str | os.PathLike[str]) -> str:
             raise ValueError(f"{config}: field 'architectures' is missing or empty")
         return archs[0]
     raise FileNotFoundError(f"{root}: neither model_index.json nor config.json found")
+
+
+def is_saved_model(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a model :func:`from_pretrained` can read (a diffusers pipeline,
+    a transformers model, or a released layout such as BAGEL's)."""
+    try:
+        read_architecture(path)
+    except (FileNotFoundError, ValueError, json.JSONDecodeError):
+        return False
+    return True
 
 
 def read_adapter_options(path: str | os.PathLike[str]) -> dict[str, Any]:

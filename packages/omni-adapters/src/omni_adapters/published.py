@@ -81,11 +81,16 @@ def load(name: str) -> PublishedModel:
 
 def match_path(path: str | os.PathLike[str]) -> PublishedModel | None:
     """The published model whose repo name is the folder's name (``~/models/Qwen-Image`` ->
-    ``Qwen/Qwen-Image``; case-insensitive), or None."""
-    base = Path(os.path.expanduser(str(path))).name.lower()
+    ``Qwen/Qwen-Image``; case-insensitive, a ``-Diffusers`` suffix optional on either side),
+    or None."""
+
+    def key(name: str) -> str:
+        return name.lower().removesuffix("-diffusers")
+
+    base = key(Path(os.path.expanduser(str(path))).name)
     for stem in names():
         m = load(stem)
-        if m.repo_id.split("/")[-1].lower() == base:
+        if key(m.repo_id.split("/")[-1]) == base:
             return m
     return None
 

@@ -2,6 +2,7 @@
 
     omni-train RECIPE [key=value ...]        train (overrides are dotted YAML scalars)
     omni-train validate RECIPE [key=value ...]   check a recipe without running it
+    omni-train validate --memory RECIPE          ... and estimate its per-GPU memory
     omni-train resume RUN [key=value ...]    continue RUN from its latest checkpoint
     omni-train report RUN                    write RUN/report.html (curves, sample grids)
     omni-train prepare NAME [--out DIR]      write a dataset (ocr, pickscore, video, edit, mmk12)
@@ -22,6 +23,7 @@ COMMANDS = ("validate", "resume", "report", "prepare")
 
 USAGE = """omni-train RECIPE [key=value ...]
        omni-train validate RECIPE [key=value ...]
+       omni-train validate --memory RECIPE [--published NAME] [--gpu-gib GIB]
        omni-train resume RUN [key=value ...]
        omni-train report RUN
        omni-train prepare NAME [--out DIR]"""
@@ -33,6 +35,24 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
             prog="omni-train validate", description="Check a recipe without running it."
         )
         p.add_argument("recipe", help="path to a recipe YAML")
+        p.add_argument(
+            "--memory",
+            action="store_true",
+            help="estimate per-GPU training memory from the released model's configs (meta "
+            "device, no weights)",
+        )
+        p.add_argument(
+            "--published",
+            default=None,
+            help="--memory: the published model (name or repo id) when model.path's folder "
+            "name does not say it",
+        )
+        p.add_argument(
+            "--gpu-gib",
+            type=float,
+            default=None,
+            help="--memory: GPU memory in GiB (default: report 80 and 141)",
+        )
     elif cmd == "resume":
         p = argparse.ArgumentParser(
             prog="omni-train resume",
@@ -87,6 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             recipe = load_recipe(args.recipe, args.overrides)
             for line in validate_recipe(recipe):
                 print(line)
+            if args.memory:
+                from .memory_report import memory_report
+
+                for line in memory_report(recipe, published=args.published, gpu_gib=args.gpu_gib):
+                    print(line)
             print(f"ok: {args.recipe} is a valid recipe")
             return 0
         if cmd == "prepare":

@@ -27,8 +27,10 @@ def validate_recipe(recipe: Recipe) -> list[str]:
     for key, name in names:
         if name not in known:
             raise RecipeError(unknown_name(key, "reward", name, known))
+    from omni_adapters import is_saved_model
+
     path = Path(recipe.model.path)
-    has_model = (path / "model_index.json").is_file() or (path / "config.json").is_file()
+    has_model = is_saved_model(path)
     if recipe.model.tiny is not None:
         from omni_adapters import FAMILY_MODULES
 

@@ -318,6 +318,7 @@ class BagelTextModel(nn.Module):
         self.layers = nn.ModuleList(BagelMoTDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.norm_moe_gen = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.gradient_checkpointing = False
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """RoPE tables (B, 1, S, head_dim) for integer positions (B, S)."""
@@ -343,8 +344,15 @@ class BagelTextModel(nn.Module):
         mask = allowed[:, None]
         cos, sin = self.rope(positions)
         x = embeds
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
-            x = layer(x, gen, cos.to(x.dtype), sin.to(x.dtype), mask)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                # keep each layer's input only; recompute its activations in the backward
+                x = torch.utils.checkpoint.checkpoint(
+                    layer, x, gen, cos, sin, mask, use_reentrant=False
+                )
+            else:
+                x = layer(x, gen, cos, sin, mask)
         return torch.where(gen[..., None], self.norm_moe_gen(x), self.norm(x))
 
 
@@ -452,6 +460,11 @@ class Bagel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.vae2llm.weight.dtype
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Activation checkpointing per MoT layer (``from_pretrained(...,
+        gradient_checkpointing=True)``)."""
+        self.language_model.model.gradient_checkpointing = True
 
     # ------------------------------------------------------------- helpers
     def _text(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
