@@ -441,7 +441,7 @@ def load_imagebind(
     ``.pth`` is not read here (no unpickling at load time): convert it once with
     ``omni-rewards convert imagebind imagebind_huge.pth DIR``."""
     torch = require_module("torch", "imagebind", "imagebind")
-    path = Path(path)
+    path = Path(path).expanduser()
     if path.is_file() and path.suffix in (".pth", ".pt", ".bin", ".ckpt"):
         raise ValueError(
             f"checkpoint: {path} is a torch pickle; convert it once to safetensors with "
