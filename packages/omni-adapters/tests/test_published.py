@@ -90,7 +90,7 @@ def test_thinker_is_built_without_talker_and_code2wav():
     assert set(adapter.components) == {"thinker"}
     names = {n.split(".")[0] for n, _ in adapter.model.named_children()}
     assert not names & {"talker", "code2wav"}
-    full = published._full_transformers_model(model)
+    full = published.full_transformers_model(model)
     thinker = published.checkpoint_count(adapter.model)
     others = published.checkpoint_count(full.talker) + published.checkpoint_count(full.code2wav)
     assert thinker + others == published.checkpoint_count(full) == 35_259_818_545

@@ -38,6 +38,7 @@ __all__ = [
     "PublishedModel",
     "build_meta",
     "checkpoint_count",
+    "full_transformers_model",
     "load",
     "match_path",
     "names",
@@ -178,7 +179,7 @@ def run_checks(model: PublishedModel, adapter: Any | None = None) -> list[CheckR
     out = []
     for c in model.checks:
         if c.get("full_model"):
-            n = checkpoint_count(_full_transformers_model(model))
+            n = checkpoint_count(full_transformers_model(model))
         else:
             n = sum(
                 checkpoint_count(_submodule(adapter, m), c.get("exclude", ())) for m in c["modules"]
@@ -187,7 +188,9 @@ def run_checks(model: PublishedModel, adapter: Any | None = None) -> list[CheckR
     return out
 
 
-def _full_transformers_model(model: PublishedModel) -> nn.Module:
+def full_transformers_model(model: PublishedModel) -> nn.Module:
+    """The whole transformers model of ``config.json`` (e.g. Qwen3-Omni with its talker and
+    code2wav), built on the meta device."""
     import torch
     import transformers
 
