@@ -90,3 +90,51 @@ def test_the_thinker_skips_only_talker_and_code2wav(tiny_path, tmp_path):
 
     with pytest.raises(CheckpointKeyError, match=r"stray\.weight"):
         _load(_copy_with(tmp_path, src, "model.safetensors", stray), "qwen3_omni_thinker")
+
+
+@pytest.mark.parametrize(
+    ("family", "component"), [("sd3", "transformer"), ("qwen3_omni_thinker", None)]
+)
+def test_released_bf16_shards_load(family, component, tiny_path, tmp_path):
+    """Releases ship bfloat16 weights in shards with an index (``diffusion_pytorch_model-
+    0000i-of-0000N.safetensors`` / ``model-...``); they load strictly in that form too, and a
+    renamed tensor inside a shard is still named."""
+    import json
+
+    import torch
+
+    src = tiny_path(family)
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    folder = dst / component if component else dst
+    if component:
+        from diffusers import SD3Transformer2DModel as klass
+    else:
+        from transformers import Qwen3OmniMoeForConditionalGeneration as klass
+    key = "torch_dtype" if component else "dtype"
+    model = klass.from_pretrained(folder, **{key: torch.bfloat16})
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    model.save_pretrained(folder, max_shard_size="50KB")
+    index = json.loads(next(folder.glob("*.safetensors.index.json")).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all("-of-" in s for s in shards)
+    a = _load(dst, family)
+    p = next(a.model.parameters())
+    assert p.dtype == torch.float32  # loaded in the requested dtype (default float32)
+
+    # a tensor the loaded model uses (the thinker stage leaves talker/code2wav unused)
+    key = next(
+        k
+        for k in sorted(index["weight_map"])
+        if k.endswith(".weight") and "talker" not in k and "code2wav" not in k
+    )
+    shard = folder / index["weight_map"][key]
+    sd = load_file(str(shard))
+    sd[key + "_renamed"] = sd.pop(key)
+    save_file(sd, str(shard), metadata={"format": "pt"})
+    index["weight_map"][key + "_renamed"] = index["weight_map"].pop(key)
+    next(folder.glob("*.safetensors.index.json")).write_text(json.dumps(index))
+    with pytest.raises(CheckpointKeyError) as err:
+        _load(dst, family)
+    assert key.removeprefix("thinker.") in str(err.value)
