@@ -306,9 +306,8 @@ def load_module(
             obj = obj.to(dtype=dtype)
         return obj.eval()
     key = "torch_dtype" if diffusers_model else "dtype"
-    if not diffusers_model:
-        # no pickle: a folder that only has pytorch_model.bin is an error, not a torch.load
-        kwargs.setdefault("use_safetensors", True)
+    # no pickle: a folder that only has a .bin checkpoint is an error, never a torch.load
+    kwargs.setdefault("use_safetensors", True)
     obj, info = klass.from_pretrained(folder, output_loading_info=True, **{key: dtype}, **kwargs)
     check_loading_info(str(folder), info, allow_unexpected=allow_unexpected)
     return obj.to(device).eval()
