@@ -266,11 +266,6 @@ def from_pretrained(path: str | os.PathLike[str], **options: Any) -> OmniModelBa
     return cls.from_pretrained(path, **options)
 
 
-@contextlib.contextmanager
-def _no_op() -> Iterator[None]:
-    yield
-
-
 def _has_files(folder: Path) -> bool:
     return folder.is_dir() and any(folder.iterdir())
 
@@ -673,7 +668,8 @@ class OmniModelBase:
                 # a second named adapter ("old") is intended; peft warns about it
                 warnings.filterwarnings("ignore", message="Already found a `peft_config`")
                 # on the meta device (architecture checks) the LoRA tensors are meta too
-                with torch.device(self.device) if self.device.type == "meta" else _no_op():
+                meta = self.device.type == "meta"
+                with torch.device(self.device) if meta else contextlib.nullcontext():
                     inject_adapter_in_model(cfg, self.model, adapter_name=adapter_name)
         except ValueError as err:
             raise ValueError(

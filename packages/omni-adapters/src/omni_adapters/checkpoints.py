@@ -23,6 +23,7 @@ __all__ = [
     "check_keys",
     "check_loading_info",
     "load_state_strict",
+    "read_safetensors",
     "safetensors_keys",
 ]
 

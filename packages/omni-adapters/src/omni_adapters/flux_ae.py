@@ -26,6 +26,7 @@ __all__ = [
     "FLUX_SHIFT",
     "autoencoder_config",
     "from_diffusers_state",
+    "released_config",
     "to_diffusers_name",
     "to_diffusers_state",
 ]
@@ -149,9 +150,10 @@ def from_diffusers_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     """Inverse of :func:`to_diffusers_state`: ``AutoencoderKL`` tensors in the released
     layout (used to write tiny checkpoints in that layout)."""
     levels = len({int(m[1]) for k in state if (m := re.match(r"encoder\.down_blocks\.(\d+)", k))})
+    blocks = 1 + max(int(m[1]) for k in state if (m := re.search(r"\.resnets\.(\d+)\.", k)))
     flux_names: dict[str, str] = {}
     for i in range(levels):
-        for j in range(8):
+        for j in range(blocks):
             for part in ("norm1", "conv1", "norm2", "conv2", "nin_shortcut"):
                 for w in ("weight", "bias"):
                     flux_names[

@@ -38,6 +38,7 @@ __all__ = [
     "PublishedModel",
     "build_meta",
     "checkpoint_count",
+    "frozen_published",
     "full_transformers_model",
     "load",
     "match_path",
