@@ -130,7 +130,9 @@ class ToyEditDenoiser(ToyDenoiser):
 
     ``encode(..., images=)`` takes uint8 (B, H, W, 3) or a list of (H, W, 3) of any sizes,
     resizes each row alone to 8x8 (bilinear) and adds a projection of it to both branches'
-    pooled embedding; the resized image is the shared ``image_latents`` key.
+    pooled embedding; the resized image is the shared ``image_latents`` key. A list of per-row
+    lists (several condition images, like Qwen-Image-Edit-Plus) adds each image's projection
+    weighted by its position (1, 2, ...), and ``image_latents`` is then (B, K, 3, 8, 8).
     """
 
     needs_images = True
@@ -146,19 +148,20 @@ class ToyEditDenoiser(ToyDenoiser):
         self.seen_images.append(images)
         rows = list(images) if isinstance(images, (list, tuple)) else list(images.unbind(0))
         assert len(rows) == len(prompts)
-        small = torch.cat(
-            [
-                F.interpolate(
-                    r.permute(2, 0, 1)[None].float() / 255.0,
-                    size=(8, 8),
-                    mode="bilinear",
-                    align_corners=False,
-                )
-                for r in rows
-            ]
-        )
+
+        def resize(r):
+            x = r.permute(2, 0, 1)[None].float() / 255.0
+            return F.interpolate(x, size=(8, 8), mode="bilinear", align_corners=False)
+
         out = super().encode(prompts, negative_prompts)
-        feat = self.img_proj(small.flatten(1))
+        if rows and isinstance(rows[0], list):
+            assert len({len(r) for r in rows}) == 1, "rows carry different image counts"
+            small = torch.stack([torch.cat([resize(im) for im in r]) for r in rows])
+            w = torch.arange(1, small.shape[1] + 1, dtype=small.dtype).view(1, -1, 1)
+            feat = (self.img_proj(small.flatten(2)) * w).sum(1)
+        else:
+            small = torch.cat([resize(r) for r in rows])
+            feat = self.img_proj(small.flatten(1))
         out["pooled_prompt_embeds"] = out["pooled_prompt_embeds"] + feat
         out["negative_pooled_prompt_embeds"] = out["negative_pooled_prompt_embeds"] + feat
         out["image_latents"] = small

@@ -185,3 +185,72 @@ def test_edit_requests_over_http_match_embedded(live_server, max_diff):
     assert resp.status_code == 400 and resp.json()["field"] == "image"
     assert "RolloutRequest.image is required" in resp.json()["error"]
     assert client.generate(reqs[:1])[0].request_id == "e0"
+
+
+# ------------------------------------------------ several condition images (Edit-Plus)
+def multi_requests(n: int, k: int = 2, params: SamplingParams = P) -> list[RolloutRequest]:
+    return [
+        RolloutRequest(
+            "put them together",
+            seed=700 + i,
+            params=params,
+            request_id=f"m{k}-{i}",
+            negative_prompt="",
+            image=[image(10 * i + j, 16 + 4 * j, 20) for j in range(k)],
+        )
+        for i in range(n)
+    ]
+
+
+def test_multi_image_requests_batch_like_one_at_a_time(toy_edit, max_diff):
+    reqs = multi_requests(4)
+    with EmbeddedEngine(toy_edit, max_num_seqs=1) as serial:
+        alone = serial.generate_many(reqs)
+    with EmbeddedEngine(toy_edit, max_num_seqs=4) as batched:
+        packed = batched.generate_many(reqs)
+    assert batched.stats()["mean_rows_per_forward"] == 4.0
+    seen = toy_edit.seen_images[-1]
+    assert isinstance(seen, list) and [len(r) for r in seen] == [2] * 4
+    assert all(t.dtype == torch.uint8 and t.shape[-1] == 3 for r in seen for t in r)
+    assert packed[0].condition["image_latents"].shape == (2, 3, 8, 8)
+    assert _same(alone, packed, max_diff) <= 1e-5
+
+
+def test_the_order_of_the_condition_images_matters(toy_edit):
+    a = multi_requests(1)[0]
+    b = RolloutRequest(a.prompt, a.seed, a.params, "swapped", a.negative_prompt, a.image[::-1])
+    with EmbeddedEngine(toy_edit, max_num_seqs=2) as engine:
+        ta, tb = engine.generate_many([a, b])
+    assert not torch.equal(ta.latents[-1], tb.latents[-1])
+
+
+def test_different_image_counts_never_share_a_wave(toy_edit):
+    reqs = multi_requests(2, k=2) + multi_requests(2, k=3) + edit_requests(2)
+    with EmbeddedEngine(toy_edit, max_num_seqs=8) as engine:
+        out = engine.generate_many(reqs)
+    assert [t.request_id for t in out] == [r.request_id for r in reqs]
+    assert engine.stats()["waves"] == 3  # one per image count, each wave two rows
+
+    def per_row(seen):
+        return len(seen[0]) if isinstance(seen, list) and isinstance(seen[0], list) else 1
+
+    assert sorted(per_row(s) for s in toy_edit.seen_images[-3:]) == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"requests\[2\] carries 3 condition images"):
+        denoise_wave(toy_edit, reqs[:2] + reqs[2:3])
+
+
+def test_image_lists_are_checked_and_cross_the_wire():
+    imgs = [image(1, 7, 5), torch.from_numpy(image(2, 4, 6))]
+    r = RolloutRequest("a", 1, P, "id", image=imgs)
+    assert r.num_images == 2 and RolloutRequest("b", 1).num_images == 0
+    d = r.to_dict()
+    assert isinstance(d["image"], list) and all(isinstance(x, str) for x in d["image"])
+    back = RolloutRequest.from_dict(d)
+    assert back.num_images == 2
+    assert all(torch.equal(x, torch.as_tensor(y)) for x, y in zip(back.image, imgs))
+    with pytest.raises(ValueError, match=r"RolloutRequest\.image\[1\] must have dtype uint8"):
+        RolloutRequest("a", 1, image=[image(1), np.zeros((4, 4, 3), np.float32)])
+    with pytest.raises(ValueError, match=r"RolloutRequest\.image: an empty list"):
+        RolloutRequest("a", 1, image=[])
+    with pytest.raises(ValueError, match=r"RolloutRequest\.image\[0\] is not valid base64"):
+        RolloutRequest.from_dict({"prompt": "a", "seed": 1, "image": ["***"]})

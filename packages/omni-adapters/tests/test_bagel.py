@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from release_fixtures import BAGEL_TINY, bagel_ema_shapes, flux_ae_shapes
 
 import omni_adapters
+from omni_adapters.checkpoints import safetensors_keys
 from omni_adapters.families.bagel import Bagel, BagelAdapter, BagelConfig
 from omni_adapters.testing import Params, generators, pearson, perturb_lora, rollout_vs_replay
 
 FAMILY = "bagel"
+#: where omni_adapters.tiny.build("bagel") differs from the fixture's sizes
+TINY_BUILD_SIZES = {
+    "inter": 64,
+    "vit_inter": 32,
+    "vit_layers_in_config": 2,
+    "latent_grid": 16,
+}
 P = Params(height=32, width=32, num_steps=3)
 
 
@@ -29,34 +36,22 @@ def bagel(bagel_path):
 
 
 def test_build_writes_the_released_layout(bagel_path):
-    cfg = json.loads((bagel_path / "config.json").read_text())
-    assert cfg["architectures"] == ["Bagel"] and cfg["latent_patch_size"] == 2
-    assert (bagel_path / "model.safetensors").is_file()
-    assert (bagel_path / "vae" / "config.json").is_file()
+    names = {p.name for p in bagel_path.iterdir()}
+    assert {"llm_config.json", "vit_config.json", "ema.safetensors", "ae.safetensors"} <= names
     assert not list(bagel_path.rglob("*.bin")) and not list(bagel_path.rglob("*.pkl"))
-    from safetensors import safe_open
-
-    with safe_open(str(bagel_path / "model.safetensors"), "pt") as fh:
-        keys = set(fh.keys())
-    # both experts of the Mixture-of-Transformers, with the released parameter names
-    for name in (
-        "language_model.layers.0.self_attn.q_proj.weight",
-        "language_model.layers.0.self_attn.q_proj_moe_gen.weight",
-        "language_model.layers.0.mlp_moe_gen.gate_proj.weight",
-        "language_model.layers.0.input_layernorm_moe_gen.weight",
-        "language_model.norm_moe_gen.weight",
-        "vae2llm.weight",
-        "llm2vae.weight",
-        "time_embedder.mlp.0.weight",
-        "connector.0.weight",
-    ):
-        assert name in keys, name
-    assert any(k.startswith("vit_model.") for k in keys)
+    keys = set(safetensors_keys(bagel_path / "ema.safetensors"))
+    # the official module tree's names (ByteDance-Seed/Bagel modeling/bagel)
+    assert keys == set(bagel_ema_shapes({**BAGEL_TINY, **TINY_BUILD_SIZES}))
+    assert keys_of_ae(bagel_path) == set(flux_ae_shapes({**BAGEL_TINY, "ae_blocks": 1}))
 
 
-def test_config_rejects_unknown_fields():
-    with pytest.raises(ValueError, match="unknown BAGEL fields"):
-        BagelConfig.from_json({"hidden_size": 32, "bogus": 1})
+def keys_of_ae(path):
+    return set(safetensors_keys(path / "ae.safetensors"))
+
+
+def test_config_needs_the_release_fields():
+    with pytest.raises(ValueError, match=r"llm_config.json: missing fields \['vocab_size'"):
+        BagelConfig.from_release({"hidden_size": 32}, {})
 
 
 def test_from_pretrained_picks_bagel(bagel_path):
@@ -87,7 +82,7 @@ def test_experts_are_routed_by_token_type(bagel_path):
     with torch.no_grad():
         v0 = a.velocity(x, s, c, P)
         lg0 = a.understand(["a red cube"])
-        a.model.language_model.layers[0].mlp_moe_gen.down_proj.weight.add_(0.5)
+        a.model.language_model.model.layers[0].mlp_moe_gen.down_proj.weight.add_(0.5)
         v1 = a.velocity(x, s, c, P)
         lg1 = a.understand(["a red cube"])
     assert (v0 - v1).abs().max() > 1e-5
@@ -179,6 +174,20 @@ def test_build_is_deterministic(tmp_path, bagel_path):
     again = omni_adapters.tiny.build(FAMILY, tmp_path / "again", seed=0)
     other = omni_adapters.tiny.build(FAMILY, tmp_path / "other", seed=1)
     ck = omni_adapters.weights_checksum
-    a = load_file(bagel_path / "model.safetensors")
-    assert ck(a) == ck(load_file(again / "model.safetensors"))
-    assert ck(a) != ck(load_file(other / "model.safetensors"))
+    a = load_file(bagel_path / "ema.safetensors")
+    assert ck(a) == ck(load_file(again / "ema.safetensors"))
+    assert ck(a) != ck(load_file(other / "ema.safetensors"))
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(bagel_path):
+    grads = []
+    for ckpt in (False, True):
+        a = omni_adapters.from_pretrained(bagel_path, gradient_checkpointing=ckpt)
+        a.add_lora(rank=2)
+        perturb_lora(a, seed=1)
+        c = a.encode(["a cat"])
+        x = a.init_latents(1, P, generators([2]))
+        a.replay_velocity(x, a.sigmas(P)[1].expand(1), c, P).square().sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in a.trainable_parameters()]))
+    assert a.model.language_model.model.gradient_checkpointing
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)

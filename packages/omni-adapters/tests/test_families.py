@@ -23,6 +23,11 @@ CASES = {
     "sd3": (Params(guidance_scale=3.0), lambda b: {}),
     "qwen_image": (Params(true_cfg_scale=3.0), lambda b: {}),
     "qwen_image_edit": (Params(true_cfg_scale=3.0), lambda b: {"images": _images(b)}),
+    # two condition images per request (Qwen-Image-Edit-2509/2511)
+    "qwen_image_edit_plus": (
+        Params(true_cfg_scale=3.0),
+        lambda b: {"images": [[im, im.flip(0)] for im in _images(b)]},
+    ),
     "wan22": (Params(num_frames=5, guidance_scale=3.0), lambda b: {}),
     "wan22_a14b": (Params(num_frames=5, guidance_scale=3.0), lambda b: {}),
 }
@@ -30,6 +35,7 @@ CLASSES = {
     "sd3": "SD3Adapter",
     "qwen_image": "QwenImageAdapter",
     "qwen_image_edit": "QwenImageEditAdapter",
+    "qwen_image_edit_plus": "QwenImageEditPlusAdapter",
     "wan22": "Wan22Adapter",
     "wan22_a14b": "Wan22Adapter",
 }

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 import omni_adapters
-from omni_adapters.families.ltx2 import LTX2Adapter
+from omni_adapters.families.ltx2 import (
+    LTX23_CONNECTORS,
+    LTX23_TRANSFORMER,
+    LTX2Adapter,
+    build_tiny_version,
+)
 from omni_adapters.testing import Params, generators, pearson, perturb_lora, rollout_vs_replay
 
 FAMILY = "ltx2"
@@ -37,6 +42,11 @@ def test_build_writes_an_ltx2_pipeline_folder(ltx_path):
     assert index["vocoder"][1] == "LTX2Vocoder"
     assert index["text_encoder"] == ["transformers", "Gemma3ForConditionalGeneration"]
     assert not list(ltx_path.rglob("*.bin")) and not list(ltx_path.rglob("*.pkl"))
+    # the LTX-2.3 flags of diffusers' conversion script (version "2.3")
+    cfg = json.loads((ltx_path / "transformer" / "config.json").read_text())
+    assert {k: cfg[k] for k in LTX23_TRANSFORMER} == LTX23_TRANSFORMER
+    con = json.loads((ltx_path / "connectors" / "config.json").read_text())
+    assert {k: con[k] for k in LTX23_CONNECTORS} == LTX23_CONNECTORS
 
 
 def test_diffusers_itself_runs_the_tiny_folder(ltx_path):
@@ -85,8 +95,9 @@ def test_lora_binds_all_attention_projections(ltx_path):
 
 def test_encode_shapes_and_negative_default(ltx):
     c = ltx.encode(["a red cube", "a blue ball"])
-    assert c["prompt_embeds"].shape == (2, 16, 32)
-    assert c["audio_prompt_embeds"].shape == (2, 16, 32)
+    # 2.3's per-modality projections: straight to each stream's width (video 16, audio 8)
+    assert c["prompt_embeds"].shape == (2, 16, 16)
+    assert c["audio_prompt_embeds"].shape == (2, 16, 8)
     assert c["prompt_attention_mask"].shape == (2, 16)
     empty = ltx.encode([""])
     torch.testing.assert_close(c["negative_prompt_embeds"][0], empty["prompt_embeds"][0])
@@ -200,3 +211,16 @@ def test_build_is_deterministic(tmp_path, ltx_path):
     f = "transformer/diffusion_pytorch_model.safetensors"
     ck = omni_adapters.weights_checksum
     assert ck(load_file(ltx_path / f)) == ck(load_file(again / f))
+
+
+def test_the_ltx20_layout_still_loads_and_denoises(tmp_path):
+    path = build_tiny_version(tmp_path / "ltx20", seed=0, version="2.0")
+    cfg = json.loads((path / "transformer" / "config.json").read_text())
+    assert cfg["gated_attn"] is False and cfg["use_prompt_embeddings"] is True
+    a = omni_adapters.from_pretrained(path)
+    c = a.encode(["a robot"])
+    assert c["prompt_embeds"].shape == (1, 16, 32)  # 2.0: caption projection in the DiT
+    x = a.init_latents(1, P, generators([0]))
+    with torch.no_grad():
+        v = a.velocity(x, a.sigmas(P)[0].expand(1), c, P)
+    assert v.shape == x.shape and torch.isfinite(v).all()

@@ -179,3 +179,83 @@ def save_tiny_clap(path, seed: int = 0, sampling_rate: int = 16000) -> str:
     )
     ClapProcessor(feature_extractor=fe, tokenizer=tok).save_pretrained(path)
     return str(path)
+
+
+def save_tiny_sd3(path, seed: int = 0) -> str:
+    """A tiny SD3.5-style diffusers folder (the parts DiNa-LRM reads): ``transformer/``
+    (SD3Transformer2DModel, 3 blocks, dual attention in block 0, rms qk-norm), ``text_encoder``
+    + ``text_encoder_2`` (CLIPTextModelWithProjection), ``text_encoder_3`` (T5EncoderModel),
+    their tokenizers and ``scheduler/`` (flow matching, shift 3), saved with the libraries'
+    own ``save_pretrained``."""
+    from pathlib import Path
+
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        T5Config,
+        T5EncoderModel,
+        T5TokenizerFast,
+    )
+    from transformers.convert_slow_tokenizer import SpmConverter  # noqa: F401  (sentencepiece)
+
+    root = Path(path)
+    torch.manual_seed(seed)
+    tok = tiny_clip_tokenizer()
+    tok.model_max_length = 77
+    for name, width in (("", 16), ("_2", 24)):
+        cfg = CLIPTextConfig(
+            vocab_size=len(tok),
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            projection_dim=width,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        CLIPTextModelWithProjection(cfg).save_pretrained(root / f"text_encoder{name}")
+        tok.save_pretrained(root / f"tokenizer{name}")
+    t5_tok = _tiny_t5_tokenizer()
+    T5EncoderModel(
+        T5Config(vocab_size=len(t5_tok), d_model=48, d_kv=8, d_ff=64, num_layers=1, num_heads=2)
+    ).save_pretrained(root / "text_encoder_3")
+    t5_tok.save_pretrained(root / "tokenizer_3")
+    assert isinstance(t5_tok, T5TokenizerFast)
+    SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=16,
+        num_layers=3,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=48,
+        caption_projection_dim=32,
+        pooled_projection_dim=16 + 24,
+        out_channels=16,
+        pos_embed_max_size=16,
+        dual_attention_layers=(0,),
+        qk_norm="rms_norm",
+    ).save_pretrained(root / "transformer")
+    FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(root / "scheduler")
+    return str(root)
+
+
+def _tiny_t5_tokenizer():
+    """A T5TokenizerFast over a tiny Unigram vocabulary (letters, digits)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import T5TokenizerFast
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    for ch in "abcdefghijklmnopqrstuvwxyz0123456789":
+        vocab += [(ch, -3.0), ("▁" + ch, -3.5)]
+    t = Tokenizer(models.Unigram(vocab, unk_id=2))
+    t.normalizer = normalizers.Lowercase()
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    t.decoder = decoders.Metaspace()
+    return T5TokenizerFast(
+        tokenizer_object=t, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", extra_ids=0
+    )

@@ -101,8 +101,15 @@ def test_hpsv2_and_open_clip_backend(tmp_path):
         )
         ft = torch.nn.functional.normalize(model.encode_text(tok(prompts)), dim=-1)
     np.testing.assert_allclose(out.scores, (fi * ft).sum(-1).numpy(), atol=1e-5)
-    # the torch checkpoint format ({"state_dict": ...}, weights_only load) gives the same
-    hps_pt = load_reward("hpsv2", checkpoint=str(tmp_path / "hps.pt"), model_config=TINY_OPEN_CLIP)
+    # the released torch format ({"state_dict": ...}) is never unpickled by the reward: it is
+    # converted once (omni-rewards convert hpsv2), then gives the same scores
+    with pytest.raises(ValueError, match="omni-rewards convert"):
+        load_reward("hpsv2", checkpoint=str(tmp_path / "hps.pt"), model_config=TINY_OPEN_CLIP)
+    from omni_rewards.cli import main
+
+    conv = tmp_path / "hps_converted.safetensors"
+    assert main(["convert", "hpsv2", str(tmp_path / "hps.pt"), str(conv)]) == 0
+    hps_pt = load_reward("hpsv2", checkpoint=str(conv), model_config=TINY_OPEN_CLIP)
     np.testing.assert_allclose(hps_pt(images=imgs, prompts=prompts).scores, out.scores, atol=1e-6)
     oc = load_reward(
         "clip_score",
@@ -151,3 +158,43 @@ def test_aesthetic_head(clip_dir, tmp_path):
     save_file({"layers.0.weight": torch.randn(1, 7)}, str(tmp_path / "bad.safetensors"))
     with pytest.raises(ValueError, match="expects 7-d embeddings"):
         load_reward("aesthetic", head=str(tmp_path / "bad.safetensors"), clip_model=clip_dir)
+
+
+def test_pickscore_release_layout_without_tokenizer(tmp_path):
+    """PickScore_v1 is a CLIPModel folder (config.json + model.safetensors) without tokenizer
+    files; the reward takes the processor's tokenizer (option, default the laion repo)."""
+    import shutil
+
+    full = save_tiny_clip(tmp_path / "full")
+    model_dir = tmp_path / "PickScore_v1"
+    model_dir.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(f"{full}/{f}", model_dir / f)
+    r = load_reward("pickscore", model=str(model_dir), tokenizer=full)
+    ref = load_reward("pickscore", model=full)
+    imgs, prompts = [noise(1), solid((0, 0, 255))], ["a blue sky", "noise"]
+    np.testing.assert_allclose(
+        r(images=imgs, prompts=prompts).scores, ref(images=imgs, prompts=prompts).scores
+    )
+    with pytest.raises(Exception, match="laion/CLIP-ViT-H-14-laion2B-s32B-b79K"):
+        load_reward("pickscore", model=str(model_dir))  # offline: names the processor repo
+
+
+def test_hf_checkpoints_load_strictly_and_never_unpickle(tmp_path, clip_dir):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "renamed"
+    shutil.copytree(clip_dir, bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    sd["text_projection.weightX"] = sd.pop("text_projection.weight")
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing \['text_projection.weight'\].*weightX"):
+        load_reward("clip_score", model=str(bad))
+    pickled = tmp_path / "bin_only"
+    shutil.copytree(clip_dir, pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save(sd, str(pickled / "pytorch_model.bin"))
+    with pytest.raises(ValueError, match="from safetensors"):
+        load_reward("clip_score", model=str(pickled))

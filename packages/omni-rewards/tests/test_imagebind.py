@@ -98,19 +98,64 @@ def test_modes_and_weights(tiny_dir):
         load_reward("imagebind", checkpoint=str(tiny_dir), mode="smell")
 
 
-def test_released_pth_format_loads(tiny_dir, tmp_path):
-    model = load_imagebind(tiny_dir)
-    sd = dict(model.state_dict())
-    sd["modality_trunks.depth.blocks.0.attn.in_proj_weight"] = torch.zeros(
-        3, 3
-    )  # other modalities are ignored
+def test_released_pth_converts_and_loads(tmp_path, capsys):
+    """A checkpoint in imagebind_huge.pth's layout (written from the official names by
+    release_fixtures, all six modalities) converts once and loads strictly."""
+    import json
+    from dataclasses import asdict
+
+    from release_fixtures import imagebind_release_state
+
+    from omni_rewards.cli import main
+
+    sd = imagebind_release_state(seed=3)
     torch.save(sd, str(tmp_path / "imagebind_tiny.pth"))
-    again = load_imagebind(tmp_path / "imagebind_tiny.pth", config=TINY)
-    for k, v in model.state_dict().items():
-        torch.testing.assert_close(again.state_dict()[k], v)
-    torch.save({"modality_trunks.vision.nope": torch.zeros(1)}, str(tmp_path / "bad.pth"))
-    with pytest.raises(ValueError, match="does not match the ImageBind architecture"):
-        load_imagebind(tmp_path / "bad.pth", config=TINY)
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(asdict(TINY)))
+    # the reward never unpickles: a .pth is an error pointing to the converter
+    with pytest.raises(ValueError, match="omni-rewards convert imagebind"):
+        load_imagebind(tmp_path / "imagebind_tiny.pth")
+    out = tmp_path / "converted"
+    argv = ["convert", "imagebind", str(tmp_path / "imagebind_tiny.pth"), str(out)]
+    assert main([*argv, "--config", str(cfg)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    model = load_imagebind(out)
+    own = model.state_dict()
+    kept = {k: v for k, v in sd.items() if k.split(".")[1] in ("vision", "text", "audio")}
+    assert set(own) == set(kept)  # depth / thermal / imu dropped, nothing else
+    for k, v in kept.items():
+        torch.testing.assert_close(own[k], v, msg=k)
+    r = load_reward("imagebind", checkpoint=str(out))
+    assert np.isfinite(r(**_inputs()).scores).all()
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (
+            "modality_preprocessors.audio.rgbt_stem.proj.weight",
+            "modality_preprocessors.audio.rgbt_stem.proj.0.weight",
+        ),
+        ("modality_heads.text.proj.1.weight", "modality_heads.text.proj.2.weight"),
+    ],
+)
+def test_a_renamed_tensor_fails_the_conversion_naming_it(tmp_path, old, new, capsys):
+    import json
+    from dataclasses import asdict
+
+    from release_fixtures import imagebind_release_state
+
+    from omni_rewards.cli import main
+
+    sd = imagebind_release_state()
+    sd[new] = sd.pop(old)
+    torch.save(sd, str(tmp_path / "bad.pth"))
+    (tmp_path / "tiny.json").write_text(json.dumps(asdict(TINY)))
+    argv = ["convert", "imagebind", str(tmp_path / "bad.pth"), str(tmp_path / "out")]
+    assert main([*argv, "--config", str(tmp_path / "tiny.json")]) == 2
+    err = capsys.readouterr().err
+    assert "does not match the ImageBind architecture" in err and old in err and new in err
+    assert not (tmp_path / "out").exists()
 
 
 class _FixedEncoder:

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from omni_train.cli import main
@@ -91,3 +92,33 @@ def test_report_writes_html(train_dict, capsys) -> None:
     page = (Path(recipe.trainer.output_dir) / "report.html").read_text()
     assert page.count("data:image/png;base64,") >= 3  # reward curve, other curves, samples
     assert "reward mean" in page and "step_0000" in page
+
+
+def test_validate_memory_estimates_a_gpu_recipe(capsys) -> None:
+    recipe = REPO / "recipes" / "wan22_t2v_dancegrpo.yaml"
+    assert main(["validate", "--memory", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    assert "Wan-AI/Wan2.2-TI2V-5B-Diffusers" in out
+    # the released TI2V-5B transformer with the recipe's LoRA (r64 on 30 blocks x 8 projections)
+    assert "trainable WanTransformer3DModel: 5.00B parameters; LoRA r64 on 240 modules" in out
+    assert "one training forward: 16 rows x 4022 tokens through 30 layers of width 3072" in out
+    assert "total per GPU" in out and "fits in 80 GiB (A100/H100 80 GB):" in out
+    assert "fits in 141 GiB (H200):" in out
+
+
+def test_validate_memory_errors_name_the_key(tmp_path: Path, capsys) -> None:
+    recipe = REPO / "recipes" / "wan22_t2v_dancegrpo.yaml"
+    assert main(["validate", "--memory", str(recipe), f"model.path={tmp_path / 'x'}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.path:" in err and "pass --published NAME" in err
+    assert main(["validate", "--memory", str(recipe), "--published", "nope"]) == 2
+    assert "--published: published: unknown model 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_validate_memory_every_shipped_gpu_recipe(capsys) -> None:
+    for p in sorted((REPO / "recipes").glob("*.yaml")):
+        assert main(["validate", "--memory", str(p)]) == 0, p
+        out = capsys.readouterr().out
+        if p.stem != "quickstart":
+            assert "total per GPU" in out and "fits in 141 GiB" in out, p

@@ -114,3 +114,28 @@ def test_edit_model_without_images_names_data_file(tmp_path: Path, tiny_edit) ->
     r = recipe_from_dict(edit_recipe(tmp_path, tiny_edit, {"prompts": ["make it red", "b"]}))
     with pytest.raises(TrainError, match=r"data.file: the model is image-conditioned"):
         train(r, tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_edit_plus_cpu_twin_trains_a_step(tmp_path: Path) -> None:
+    """The shipped edit recipe's CPU twin (Qwen-Image-Edit-Plus layout, one condition image
+    per row) runs end to end: rollout with the rows' images, a FlowGRPO step, validation."""
+    from omni_train import train
+    from omni_train.recipe import load_recipe
+
+    repo = Path(__file__).resolve().parents[3]
+    recipe = load_recipe(
+        repo / "recipes" / "cpu" / "qwen_image_edit_lora_flowgrpo.yaml",
+        [
+            f"model.path={tmp_path / 'model'}",
+            f"data.file={repo / 'recipes' / 'data' / 'edit_tiny' / 'train.jsonl'}",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.steps=1",
+            "trainer.val_every=1",
+            "trainer.progress=false",
+        ],
+    )
+    assert recipe.model.tiny == "qwen_image_edit_plus"
+    rows = train(recipe)
+    assert [r["step"] for r in rows] == [1]
+    assert np.isfinite(rows[0]["loss"]) and "val/reward_mean" in rows[0]

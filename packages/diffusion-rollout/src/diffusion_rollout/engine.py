@@ -77,8 +77,9 @@ def _sched_key(request: RolloutRequest) -> tuple:
     # compat_key without its weights_version slot: requests pinned to the current version and
     # requests that take any version run on the same weights, so they may share a wave.
     # Requests with and without a condition image never share a wave (only one of them can
-    # suit the denoiser; that one runs, the other fails alone).
-    return (*request.params.compat_key()[:-1], request.image is not None)
+    # suit the denoiser; that one runs, the other fails alone); nor do requests with different
+    # numbers of condition images (their conditions do not stack).
+    return (*request.params.compat_key()[:-1], request.num_images)
 
 
 class EmbeddedEngine:

@@ -190,10 +190,11 @@ class RolloutRequest:
         request_id: the caller's id, echoed in the trajectory (unique per engine queue).
         negative_prompt: for true CFG / guidance; None encodes "".
         image: the condition image of an image-conditioned model (Qwen-Image-Edit): a uint8
-            ``(H, W, 3)`` numpy array or torch tensor, any size (the denoiser resizes it).
+            ``(H, W, 3)`` numpy array or torch tensor, any size (the denoiser resizes it); or a
+            list of them, several condition images for one request (Qwen-Image-Edit-Plus).
             Required by a denoiser with ``needs_images = True``, refused by any other. Not part
             of ``==`` / ``hash`` (arrays have no truth value); requests with images still share
-            a wave when their ``params.compat_key()`` agree.
+            a wave when their ``params.compat_key()`` and their image counts agree.
     """
 
     prompt: str
@@ -201,7 +202,9 @@ class RolloutRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
     negative_prompt: str | None = None
-    image: np.ndarray | torch.Tensor | None = field(default=None, compare=False, repr=False)
+    image: np.ndarray | torch.Tensor | list[np.ndarray | torch.Tensor] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -225,15 +228,28 @@ class RolloutRequest:
                 "RolloutRequest.negative_prompt must be a string or None, got "
                 f"{type(self.negative_prompt).__name__}"
             )
-        if self.image is not None:
+        if isinstance(self.image, (list, tuple)):
+            if not self.image:
+                raise ValueError("RolloutRequest.image: an empty list (give None for no image)")
+            for i, im in enumerate(self.image):
+                _check_image(im, f"RolloutRequest.image[{i}]")
+            object.__setattr__(self, "image", list(self.image))
+        elif self.image is not None:
             _check_image(self.image)
+
+    @property
+    def num_images(self) -> int:
+        """How many condition images the request carries (0, 1, or the list's length)."""
+        if self.image is None:
+            return 0
+        return len(self.image) if isinstance(self.image, list) else 1
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (the HTTP request body).
 
         A condition image goes as ``"image": base64(safetensors blob)`` holding one uint8
-        tensor ``image`` of shape (H, W, 3) (needs ``safetensors``, the ``server`` extra); the
-        key is left out when there is no image.
+        tensor ``image`` of shape (H, W, 3) (needs ``safetensors``, the ``server`` extra), a
+        list of images as a list of such strings; the key is left out when there is no image.
         """
         data: dict[str, Any] = {
             "prompt": self.prompt,
@@ -242,7 +258,9 @@ class RolloutRequest:
             "request_id": self.request_id,
             "negative_prompt": self.negative_prompt,
         }
-        if self.image is not None:
+        if isinstance(self.image, list):
+            data["image"] = [image_to_base64(im) for im in self.image]
+        elif self.image is not None:
             data["image"] = image_to_base64(self.image)
         return data
 
@@ -275,26 +293,37 @@ class RolloutRequest:
             params=SamplingParams.from_dict(params or {}),
             request_id="" if request_id is None else request_id,
             negative_prompt=data.get("negative_prompt"),
-            image=None
-            if data.get("image") is None
-            else image_from_base64(data["image"], max_pixels=max_image_pixels),
+            image=_images_from_wire(data.get("image"), max_image_pixels),
         )
 
 
-def _check_image(image: Any) -> None:
+def _images_from_wire(
+    value: Any, max_pixels: int = MAX_IMAGE_PIXELS
+) -> torch.Tensor | list[torch.Tensor] | None:
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [
+            image_from_base64(v, f"RolloutRequest.image[{i}]", max_pixels=max_pixels)
+            for i, v in enumerate(value)
+        ]
+    return image_from_base64(value, max_pixels=max_pixels)
+
+
+def _check_image(image: Any, name: str = "RolloutRequest.image") -> None:
     if isinstance(image, np.ndarray):
         dtype_ok, shape = image.dtype == np.uint8, tuple(image.shape)
     elif isinstance(image, torch.Tensor):
         dtype_ok, shape = image.dtype == torch.uint8, tuple(image.shape)
     else:
         raise ValueError(
-            "RolloutRequest.image must be a uint8 (H, W, 3) numpy array or torch tensor, got "
-            f"{type(image).__name__}"
+            f"{name} must be a uint8 (H, W, 3) numpy array or torch tensor, got "
+            f"{type(image).__name__} (several condition images: a list of them)"
         )
     if not dtype_ok:
-        raise ValueError(f"RolloutRequest.image must have dtype uint8, got {image.dtype}")
+        raise ValueError(f"{name} must have dtype uint8, got {image.dtype}")
     if len(shape) != 3 or shape[-1] != 3 or shape[0] < 1 or shape[1] < 1:
-        raise ValueError(f"RolloutRequest.image must have shape (H, W, 3), got {shape}")
+        raise ValueError(f"{name} must have shape (H, W, 3), got {shape}")
 
 
 def image_to_base64(image: np.ndarray | torch.Tensor) -> str:
@@ -310,20 +339,21 @@ def image_to_base64(image: np.ndarray | torch.Tensor) -> str:
     return base64.b64encode(save({"image": t.detach().to("cpu").contiguous().clone()})).decode()
 
 
-def image_from_base64(text: Any, *, max_pixels: int = MAX_IMAGE_PIXELS) -> torch.Tensor:
+def image_from_base64(
+    text: Any, name: str = "RolloutRequest.image", *, max_pixels: int = MAX_IMAGE_PIXELS
+) -> torch.Tensor:
     """Inverse of :func:`image_to_base64`; also takes base64 PNG/JPEG bytes (with pillow).
 
     A PNG/JPEG whose header declares more than ``max_pixels`` pixels is refused before it is
-    decoded (a small file can declare a huge image). Errors name ``RolloutRequest.image``.
+    decoded (a small file can declare a huge image). Errors name ``name``
+    (``RolloutRequest.image``, or ``RolloutRequest.image[i]``).
     """
     if not isinstance(text, str):
-        raise ValueError(
-            f"RolloutRequest.image must be a base64 string on the wire, got {type(text).__name__}"
-        )
+        raise ValueError(f"{name} must be a base64 string on the wire, got {type(text).__name__}")
     try:
         raw = base64.b64decode(text, validate=True)
     except ValueError as exc:
-        raise ValueError(f"RolloutRequest.image is not valid base64: {exc}") from None
+        raise ValueError(f"{name} is not valid base64: {exc}") from None
     if raw[:8] == b"\x89PNG\r\n\x1a\n" or raw[:3] == b"\xff\xd8\xff":
         try:
             import io
@@ -331,42 +361,38 @@ def image_from_base64(text: Any, *, max_pixels: int = MAX_IMAGE_PIXELS) -> torch
             from PIL import Image
         except ImportError:
             raise ValueError(
-                "RolloutRequest.image: PNG/JPEG needs pillow on the server (pip install pillow); "
+                f"{name}: PNG/JPEG needs pillow on the server (pip install pillow); "
                 "or send a safetensors blob"
             ) from None
         try:
             with Image.open(io.BytesIO(raw)) as im:
                 if im.width * im.height > max_pixels:
                     raise ValueError(
-                        f"RolloutRequest.image: {im.width}x{im.height} is more than the "
-                        f"{max_pixels} pixels allowed"
+                        f"{name}: {im.width}x{im.height} is more than the {max_pixels} pixels "
+                        "allowed"
                     )
                 arr = np.asarray(im.convert("RGB"), dtype=np.uint8).copy()
         except (OSError, SyntaxError, Image.DecompressionBombError) as exc:
-            raise ValueError(f"RolloutRequest.image: cannot decode the image ({exc})") from None
+            raise ValueError(f"{name}: cannot decode the image ({exc})") from None
         return torch.from_numpy(arr)
     try:
         from safetensors.torch import load
     except ImportError:  # pragma: no cover - the server extra
         raise ValueError(
-            "RolloutRequest.image needs safetensors: pip install 'diffusion-rollout[server]'"
+            f"{name} needs safetensors: pip install 'diffusion-rollout[server]'"
         ) from None
     try:
         tensors = load(raw)
     except Exception as exc:  # safetensors raises its own error type
-        raise ValueError(
-            f"RolloutRequest.image is neither PNG/JPEG nor a safetensors blob ({exc})"
-        ) from None
+        raise ValueError(f"{name} is neither PNG/JPEG nor a safetensors blob ({exc})") from None
     if set(tensors) != {"image"}:
         raise ValueError(
-            f"RolloutRequest.image: the safetensors blob must hold one tensor 'image', got "
-            f"{sorted(tensors)}"
+            f"{name}: the safetensors blob must hold one tensor 'image', got {sorted(tensors)}"
         )
     img = tensors["image"]
-    _check_image(img)
+    _check_image(img, name)
     if img.shape[0] * img.shape[1] > max_pixels:
         raise ValueError(
-            f"RolloutRequest.image: {img.shape[1]}x{img.shape[0]} is more than the "
-            f"{max_pixels} pixels allowed"
+            f"{name}: {img.shape[1]}x{img.shape[0]} is more than the {max_pixels} pixels allowed"
         )
     return img

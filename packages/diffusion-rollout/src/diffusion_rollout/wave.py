@@ -17,9 +17,10 @@ forward the rows in their window are grouped by (kind, noise level) for the step
 
 Image-conditioned denoisers (``needs_images = True``, e.g. Qwen-Image-Edit) get the requests'
 ``RolloutRequest.image`` as ``encode(prompts, negatives, images=...)``: one uint8
-``(B, H, W, 3)`` tensor when every image has the same size, else a list of ``(H, W, 3)``
-tensors (the denoiser resizes them to its condition size). A wave's requests carry images
-all or none.
+``(B, H, W, 3)`` tensor when every request has one image of the same size, else a list of
+``(H, W, 3)`` tensors (the denoiser resizes them to its condition size); when requests carry
+lists of images (Qwen-Image-Edit-Plus), a list with each row's list of ``(H, W, 3)`` tensors.
+A wave's requests carry images all or none, and the same number of them.
 """
 
 from __future__ import annotations
@@ -69,16 +70,29 @@ def check_images(
             f"{where}: RolloutRequest.image was given but the denoiser ({name}) takes no "
             "condition images (it has no needs_images = True)"
         )
+    counts = [r.num_images for r in requests]
+    if any(c != counts[0] for c in counts):
+        i = next(i for i, c in enumerate(counts) if c != counts[0])
+        raise ValueError(
+            f"{where}: requests[{i}] carries {counts[i]} condition images in RolloutRequest.image "
+            f"but requests[0] carries {counts[0]}; the requests of one wave carry the same number"
+        )
     return any(has)
 
 
-def _stack_images(requests: Sequence[RolloutRequest]) -> Tensor | list[Tensor]:
-    rows = [
-        torch.from_numpy(np.ascontiguousarray(r.image))
-        if isinstance(r.image, np.ndarray)
-        else r.image.detach().cpu()  # type: ignore[union-attr]
-        for r in requests
-    ]
+def _as_tensor(image: np.ndarray | Tensor) -> Tensor:
+    if isinstance(image, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(image))
+    return image.detach().cpu()
+
+
+def _stack_images(requests: Sequence[RolloutRequest]) -> Tensor | list:
+    if any(isinstance(r.image, list) for r in requests):
+        return [
+            [_as_tensor(im) for im in (r.image if isinstance(r.image, list) else [r.image])]
+            for r in requests
+        ]
+    rows = [_as_tensor(r.image) for r in requests]  # type: ignore[arg-type]
     if all(t.shape == rows[0].shape for t in rows):
         return torch.stack(rows)
     return rows

@@ -34,7 +34,9 @@ __all__ = [
     "OmniModelBase",
     "adapter_for",
     "from_pretrained",
+    "is_saved_model",
     "load_family_modules",
+    "load_module",
     "read_adapter_options",
     "read_architecture",
     "register_adapter",
@@ -57,11 +59,19 @@ FAMILY_MODULES: dict[str, str] = {
     "sd3": "omni_adapters.families.sd3",
     "qwen_image": "omni_adapters.families.qwen_image",
     "qwen_image_edit": "omni_adapters.families.qwen_image_edit",
+    "qwen_image_edit_plus": "omni_adapters.families.qwen_image_edit_plus",
     "wan22": "omni_adapters.families.wan22",
     "wan22_a14b": "omni_adapters.families.wan22",
     "ltx2": "omni_adapters.families.ltx2",
     "bagel": "omni_adapters.families.bagel",
     "qwen3_omni_thinker": "omni_adapters.families.qwen3_omni_thinker",
+}
+
+#: architecture -> the files that mark a released layout with no model_index/config.json
+#: architecture entry (BAGEL-7B-MoT ships llm_config.json, vit_config.json, ema.safetensors,
+#: ae.safetensors and a config.json without "architectures")
+RELEASE_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "Bagel": ("llm_config.json", "vit_config.json"),
 }
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -162,9 +172,14 @@ def read_architecture(path: str | os.PathLike[str]) -> str:
     """The architecture a saved model declares.
 
     ``model_index.json`` ``_class_name`` (a diffusers pipeline folder) wins over
-    ``config.json`` ``architectures[0]`` (a transformers model folder).
+    ``config.json`` ``architectures[0]`` (a transformers model folder). A folder in a released
+    layout without either is recognised by its files (:data:`RELEASE_LAYOUTS`, e.g. BAGEL's
+    ``llm_config.json`` + ``vit_config.json``).
     """
     root = Path(path)
+    for arch, files in RELEASE_LAYOUTS.items():
+        if all((root / f).is_file() for f in files):
+            return arch
     index = root / "model_index.json"
     if index.is_file():
         data = json.loads(index.read_text())
@@ -180,6 +195,16 @@ def read_architecture(path: str | os.PathLike[str]) -> str:
             raise ValueError(f"{config}: field 'architectures' is missing or empty")
         return archs[0]
     raise FileNotFoundError(f"{root}: neither model_index.json nor config.json found")
+
+
+def is_saved_model(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a model :func:`from_pretrained` can read (a diffusers pipeline,
+    a transformers model, or a released layout such as BAGEL's)."""
+    try:
+        read_architecture(path)
+    except (FileNotFoundError, ValueError, json.JSONDecodeError):
+        return False
+    return True
 
 
 def read_adapter_options(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -239,6 +264,56 @@ def from_pretrained(path: str | os.PathLike[str], **options: Any) -> OmniModelBa
     arch = read_architecture(path)
     cls = adapter_for(arch, stage)
     return cls.from_pretrained(path, **options)
+
+
+def _has_files(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
+def load_module(
+    klass: type[nn.Module],
+    folder: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    allow_unexpected: Sequence[str] = (),
+    **kwargs: Any,
+) -> nn.Module:
+    """A diffusers ``ModelMixin`` or transformers ``PreTrainedModel`` from a saved folder.
+
+    Strict: a missing, unexpected (unless it starts with one of ``allow_unexpected``) or
+    mis-shaped tensor is a :class:`~omni_adapters.checkpoints.CheckpointKeyError` naming it
+    (both libraries would otherwise initialise it at random and only warn). On the ``meta``
+    device only ``config.json`` is read: the module is built at full size without weights
+    (the architecture checks in docs/models.md)."""
+    from .checkpoints import check_loading_info
+
+    folder = Path(folder)
+    diffusers_model = _is_diffusers_model(klass)
+    if device.type == "meta":
+        with torch.device("meta"):
+            if diffusers_model:
+                obj = klass.from_config(klass.load_config(folder), **kwargs)
+            else:
+                config = klass.config_class.from_pretrained(folder, **kwargs)
+                obj = klass._from_config(config, dtype=dtype)
+        if next(obj.parameters()).dtype != dtype:
+            obj = obj.to(dtype=dtype)
+        return obj.eval()
+    key = "torch_dtype" if diffusers_model else "dtype"
+    # no pickle: a folder that only has a .bin checkpoint is an error, never a torch.load
+    kwargs.setdefault("use_safetensors", True)
+    obj, info = klass.from_pretrained(folder, output_loading_info=True, **{key: dtype}, **kwargs)
+    check_loading_info(str(folder), info, allow_unexpected=allow_unexpected)
+    return obj.to(device).eval()
+
+
+def _is_diffusers_model(klass: type) -> bool:
+    try:
+        from diffusers import ModelMixin
+    except ImportError:  # pragma: no cover - diffusers is a dependency
+        return False
+    return issubclass(klass, ModelMixin)
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -376,12 +451,13 @@ class OmniModelBase:
                 raise ValueError(f"{index}: component {name!r}: {library}.{class_name} not found")
             sub = path / name
             if isinstance(klass, type) and issubclass(klass, nn.Module):
-                key = "torch_dtype" if library == "diffusers" else "dtype"
-                obj = klass.from_pretrained(sub, **{key: dtype}).to(device)
-                obj.eval()
+                if device.type == "meta" and not (sub / "config.json").is_file():
+                    continue  # a config-only folder may describe only some components
+                out[name] = load_module(klass, sub, dtype=dtype, device=device)
+            elif device.type == "meta" and not _has_files(sub):
+                continue
             else:
-                obj = klass.from_pretrained(sub)
-            out[name] = obj
+                out[name] = klass.from_pretrained(sub)
         return out
 
     @classmethod
@@ -397,7 +473,12 @@ class OmniModelBase:
     ) -> OmniModelBase:
         """Model setup: load the components from ``path`` in ``dtype`` on ``device``, drop the
         stage's unused components plus ``strip``, optionally enable gradient checkpointing.
-        Every parameter starts frozen; call :meth:`add_lora` or :meth:`set_trainable`."""
+        Every parameter starts frozen; call :meth:`add_lora` or :meth:`set_trainable`.
+
+        ``device="meta"`` reads only the configs and builds the modules at full size without
+        weights (components whose config is absent are left out): parameter counts, LoRA
+        targets, FSDP units and memory estimates of a released model without downloading it
+        (:mod:`omni_adapters.published`)."""
         root = Path(path)
         dt = resolve_dtype(dtype)
         dev = torch.device(device or "cpu")
@@ -586,7 +667,10 @@ class OmniModelBase:
             with warnings.catch_warnings():
                 # a second named adapter ("old") is intended; peft warns about it
                 warnings.filterwarnings("ignore", message="Already found a `peft_config`")
-                inject_adapter_in_model(cfg, self.model, adapter_name=adapter_name)
+                # on the meta device (architecture checks) the LoRA tensors are meta too
+                meta = self.device.type == "meta"
+                with torch.device(self.device) if meta else contextlib.nullcontext():
+                    inject_adapter_in_model(cfg, self.model, adapter_name=adapter_name)
         except ValueError as err:
             raise ValueError(
                 f"target_modules: LoRA adapter {adapter_name!r} binds 0 modules of "

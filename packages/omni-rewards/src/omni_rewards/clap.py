@@ -37,8 +37,9 @@ def resample(wave: np.ndarray, orig_sr: int, new_sr: int) -> np.ndarray:
 
 
 class CLAPReward(Reward):
-    """Options: ``model`` (local path or hub id of a ClapModel with its processor, default
-    ``laion/clap-htsat-unfused``), ``device``, ``batch_size``. ``details["cosine"]``."""
+    """Options: ``model`` (local path or hub id of a transformers ClapModel folder with its
+    processor, ``model.safetensors`` read strictly; default ``laion/clap-htsat-unfused``),
+    ``device``, ``batch_size``. ``details["cosine"]``."""
 
     name = "clap"
     default_batch_size = 16
@@ -55,7 +56,9 @@ class CLAPReward(Reward):
         self.torch = require_module("torch", "clap", "clap")
         transformers = require_module("transformers", "clap", "clap")
         self.device = device
-        self.model = transformers.ClapModel.from_pretrained(model).eval().to(device)
+        from .clip import load_hf_model
+
+        self.model = load_hf_model(transformers.ClapModel, model, "clap").eval().to(device)
         self.processor = transformers.ClapProcessor.from_pretrained(model)
         self.sampling_rate = int(self.processor.feature_extractor.sampling_rate)
         self.lock = threading.Lock()

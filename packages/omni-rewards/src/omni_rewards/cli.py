@@ -186,6 +186,25 @@ def _cmd_distill(args: argparse.Namespace) -> int:
     return distill_main(args)
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import CONVERTERS
+
+    fn = CONVERTERS[args.kind][0]
+    extra = {"config": args.config} if args.kind == "imagebind" and args.config else {}
+    if args.dst is None and args.kind != "dina-lrm":
+        print(
+            f"omni-rewards convert: error: dst: {args.kind} needs an output path", file=sys.stderr
+        )
+        return 2
+    try:
+        out = fn(args.src, args.dst, **extra)
+    except (OSError, ValueError) as exc:
+        print(f"omni-rewards convert: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="omni-rewards", description="Score media with omni-rewards")
     p.add_argument(
@@ -219,6 +238,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_limit_flags(limits, RewardLimits)
     _add_limit_flags(limits, HTTPLimits)
     v.set_defaults(func=_cmd_serve)
+
+    from .convert import CONVERTERS
+
+    c = sub.add_parser(
+        "convert",
+        help="convert a released torch-pickle checkpoint to safetensors (once)",
+        description="Reads the source with torch.load(weights_only=True), only here; the "
+        "rewards themselves load safetensors. Kinds: "
+        + "; ".join(f"{k}: {h}" for k, (_, h) in CONVERTERS.items()),
+    )
+    c.add_argument("kind", choices=sorted(CONVERTERS))
+    c.add_argument("src", help="the released checkpoint (a DiNa-LRM folder for dina-lrm)")
+    c.add_argument("dst", nargs="?", default=None, help="output (dina-lrm: optional)")
+    c.add_argument("--config", default=None, help="imagebind: a JSON of ImageBindConfig fields")
+    c.set_defaults(func=_cmd_convert)
 
     lst = sub.add_parser("list", help="list reward names")
     lst.set_defaults(func=_cmd_list)

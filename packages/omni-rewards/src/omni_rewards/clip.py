@@ -43,6 +43,10 @@ __all__ = [
     "load_state_dict",
 ]
 
+#: the processor the PickScore release is used with (its repo holds no tokenizer)
+PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -84,21 +88,53 @@ def clip_preprocess(
 
 
 def load_state_dict(path: str | Path) -> dict[str, Any]:
-    """Tensors from a ``.safetensors`` file, or a torch checkpoint loaded with
-    ``weights_only=True`` (no arbitrary unpickling); a ``state_dict`` key is unwrapped."""
-    torch = _torch("load_state_dict")
+    """Tensors of a ``.safetensors`` file. Torch pickles (``.pt``/``.pth``/``.bin``) are not
+    read at load time: ``omni-rewards convert`` turns a released one into safetensors once."""
+    _torch("load_state_dict")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint: no such file {path}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    if path.suffix != ".safetensors":
+        raise ValueError(
+            f"checkpoint: {path} is not a .safetensors file; convert a released torch "
+            f"checkpoint once with `omni-rewards convert KIND {path} OUT.safetensors` "
+            "(KIND: hpsv2, aesthetic, state-dict)"
+        )
+    from safetensors.torch import load_file
 
-        sd = load_file(str(path))
-    else:
-        sd = torch.load(str(path), map_location="cpu", weights_only=True)
-    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
-        sd = sd["state_dict"]
-    return {k.removeprefix("module."): v for k, v in sd.items()}
+    return load_file(str(path))
+
+
+def _has_tokenizer(model: str) -> bool:
+    """A hub id is assumed to carry its tokenizer; a local folder must have the files."""
+    p = Path(model).expanduser()
+    return not p.is_dir() or any((p / f).is_file() for f in _TOKENIZER_FILES)
+
+
+def load_hf_model(klass: Any, model: str, reward: str, **kwargs: Any) -> Any:
+    """``klass.from_pretrained(model)`` from safetensors only (a folder with only
+    ``pytorch_model.bin`` is an error, never a ``torch.load``), strict: a missing or
+    unexpected tensor is a ``ValueError`` naming it (transformers would initialise it at
+    random and only warn)."""
+    try:
+        obj, info = klass.from_pretrained(
+            model, use_safetensors=True, output_loading_info=True, **kwargs
+        )
+    except OSError as exc:
+        raise ValueError(
+            f"model: {reward} could not load {model!r} from safetensors ({exc}); a folder "
+            "with only pytorch_model.bin: `omni-rewards convert state-dict` it to "
+            "model.safetensors"
+        ) from None
+    missing = sorted(info.get("missing_keys") or ())
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    mismatched = sorted(str(m) for m in info.get("mismatched_keys") or ())
+    if missing or unexpected or mismatched:
+        raise ValueError(
+            f"model: {model} does not match {klass.__name__}: missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]}, shape mismatch {mismatched[:8]}"
+        )
+    return obj
 
 
 def _features(out: Any) -> Any:
@@ -122,11 +158,14 @@ class HFCLIPEncoder:
         self.torch = torch
         self.device = resolve_device(device)
         self.model = (
-            transformers.CLIPModel.from_pretrained(model, dtype=getattr(torch, dtype))
+            load_hf_model(transformers.CLIPModel, model, "clip", dtype=getattr(torch, dtype))
             .eval()
             .to(self.device)
         )
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer or model)
+        try:
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer or model)
+        except OSError as exc:
+            raise ValueError(f"tokenizer: cannot load {tokenizer or model!r} ({exc})") from None
         self.size = int(self.model.config.vision_config.image_size)
         self.max_length = int(self.model.config.text_config.max_position_embeddings)
         self.mean, self.std = OPENAI_MEAN, OPENAI_STD
@@ -186,11 +225,13 @@ class OpenCLIPEncoder:
         if checkpoint is not None:
             sd = load_state_dict(checkpoint)
             missing, unexpected = model.load_state_dict(sd, strict=False)
+            # open_clip's causal attn_mask is a non-persistent buffer in recent releases
             missing = [k for k in missing if not k.endswith("attn_mask")]
             if missing or unexpected:
                 raise ValueError(
                     f"checkpoint {checkpoint}: does not match the architecture "
-                    f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+                    f"({len(missing)} missing {missing[:8]}, {len(unexpected)} unexpected "
+                    f"{unexpected[:8]})"
                 )
         self.model = model.eval().to(self.device)
         vis = model.visual
@@ -309,8 +350,10 @@ class CLIPScoreReward(_CosineReward):
 class PickScoreReward(_CosineReward):
     """``pickscore``: exp(logit_scale) * cos(image, prompt) / 26 with the PickScore CLIP.
 
-    Options: ``model`` (default ``yuvalkirstain/PickScore_v1``), ``tokenizer`` (default
-    the model path; the released model uses ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``'s).
+    Options: ``model`` (default ``yuvalkirstain/PickScore_v1``: a transformers ``CLIPModel``
+    folder, ``config.json`` + ``model.safetensors``), ``tokenizer`` (default: the model
+    folder's own tokenizer files if it has them, else the released model's processor
+    ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``, as the PickScore README loads it).
     """
 
     name = "pickscore"
@@ -325,6 +368,8 @@ class PickScoreReward(_CosineReward):
         batch_size: int | None = None,
         workers: int = 1,
     ) -> None:
+        if tokenizer is None and not _has_tokenizer(model):
+            tokenizer = PICKSCORE_PROCESSOR
         enc = HFCLIPEncoder(model, tokenizer=tokenizer, device=device)
         super().__init__(
             enc,

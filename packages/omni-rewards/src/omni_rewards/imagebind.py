@@ -12,9 +12,11 @@ The encoder is anything with the `ImageBindEncoder` interface (``embed_text``, `
 ``embed_video``), e.g. a wrapper around the official package. `ImageBindModel` is a compact
 ImageBind-style model (`build_imagebind`) of the vision / text / audio towers whose parameter names follow the
 released checkpoint (``modality_preprocessors.*``, ``modality_trunks.*``, ``modality_heads.*``,
-``modality_postprocessors.*``); `load_imagebind` reads a released ``imagebind_huge.pth``
-(``torch.load(weights_only=True)``, never arbitrary unpickling) with `IMAGEBIND_HUGE`, or a
-directory with ``config.json`` + ``model.safetensors``. Preprocessing follows the paper:
+``modality_postprocessors.*``, as in facebookresearch/ImageBind ``imagebind_model.py``);
+`load_imagebind` reads a directory with ``config.json`` + ``model.safetensors``. The released
+``imagebind_huge.pth`` is a torch pickle: ``omni-rewards convert imagebind`` turns it into
+that directory once (``torch.load(weights_only=True)``, only in that command), dropping the
+depth / thermal / IMU towers by name. Preprocessing follows the paper:
 video as 2-frame clips at 224 px with CLIP normalisation; audio as 16 kHz log-mel (128 bins,
 25 ms window, 10 ms hop, 204 frames per clip, normalised with mean -4.268 / std 9.138).
 """
@@ -43,6 +45,7 @@ __all__ = [
     "TorchImageBindEncoder",
     "TowerConfig",
     "build_imagebind",
+    "check_state",
     "load_imagebind",
     "save_imagebind",
 ]
@@ -160,9 +163,11 @@ def build_imagebind(cfg: ImageBindConfig) -> Any:
             return x.transpose(0, 1)
 
     class Stem(nn.Module):
+        # the official PatchEmbedGeneric: a one-layer stem is the layer itself (audio:
+        # ``rgbt_stem.proj.weight``), a longer one a Sequential (vision: ``proj.1.weight``)
         def __init__(self, layers: list[Any], norm: Any = None) -> None:
             super().__init__()
-            self.proj = nn.Sequential(*layers)
+            self.proj = layers[0] if len(layers) == 1 else nn.Sequential(*layers)
             if norm is not None:
                 self.norm_layer = norm
 
@@ -220,9 +225,10 @@ def build_imagebind(cfg: ImageBindConfig) -> Any:
             return self.token_embedding(tokens) + self.pos_embed[:, : tokens.shape[1]]
 
     class Scale(nn.Module):
+        # LearnableLogitScaling: a scalar log scale (a parameter for text, a buffer for audio)
         def __init__(self, init: float, learnable: bool) -> None:
             super().__init__()
-            v = torch.tensor([math.log(init)])
+            v = torch.tensor(math.log(init))
             if learnable:
                 self.log_logit_scale = nn.Parameter(v)
             else:
@@ -421,31 +427,58 @@ def save_imagebind(model: Any, path: str | Path) -> Path:
     return path
 
 
+#: the released checkpoint's towers this reward does not use (they are dropped by name
+#: when converting ``imagebind_huge.pth``)
+UNUSED_MODALITIES = ("depth", "thermal", "imu")
+
+
 def load_imagebind(
     path: str | Path, *, config: ImageBindConfig | None = None, device: str = "cpu"
 ) -> Any:
-    """An `ImageBindModel` from a directory (config.json + model.safetensors) or a released
-    ``.pth`` checkpoint (architecture `IMAGEBIND_HUGE` unless ``config`` is given)."""
-    path = Path(path)
-    if path.is_dir():
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"checkpoint: {path} has no config.json")
-        cfg = config or ImageBindConfig.from_dict(json.loads(cfg_file.read_text()))
-        sd = load_state_dict(path / "model.safetensors")
-    else:
-        cfg = config or IMAGEBIND_HUGE
-        sd = load_state_dict(path)
-    # the released checkpoint also holds depth / thermal / imu towers: keep the three we use
-    sd = {k: v for k, v in sd.items() if k.split(".")[1:2] in (["vision"], ["text"], ["audio"])}
-    model = build_imagebind(cfg)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
+    """An `ImageBindModel` from a directory with ``config.json`` + ``model.safetensors`` (as
+    :func:`save_imagebind` or ``omni-rewards convert imagebind`` write it). Strict: a
+    missing, unexpected or mis-shaped tensor is a ``ValueError`` naming it. A released
+    ``.pth`` is not read here (no unpickling at load time): convert it once with
+    ``omni-rewards convert imagebind imagebind_huge.pth DIR``."""
+    torch = require_module("torch", "imagebind", "imagebind")
+    path = Path(path).expanduser()
+    if path.is_file() and path.suffix in (".pth", ".pt", ".bin", ".ckpt"):
         raise ValueError(
-            f"checkpoint {path}: does not match the ImageBind architecture (missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]})"
+            f"checkpoint: {path} is a torch pickle; convert it once to safetensors with "
+            f"`omni-rewards convert imagebind {path} DIR` and pass DIR"
         )
+    cfg_file = path / "config.json"
+    if not path.is_dir() or not cfg_file.is_file():
+        raise FileNotFoundError(f"checkpoint: {path} is not a directory with config.json")
+    cfg = config or ImageBindConfig.from_dict(json.loads(cfg_file.read_text()))
+    sd = load_state_dict(path / "model.safetensors")
+    model = build_imagebind(cfg)
+    check_state(model, sd, str(path / "model.safetensors"))
+    with torch.no_grad():
+        model.load_state_dict(sd, strict=True)
     return model.eval().to(device)
+
+
+def check_state(model: Any, state: dict[str, Any], source: str) -> None:
+    """``ValueError`` listing the missing, unexpected and mis-shaped tensors of ``state``
+    against ``model`` (nothing is skipped silently)."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(
+        f"{k} {tuple(state[k].shape)} != {tuple(own[k].shape)}"
+        for k in set(own) & set(state)
+        if tuple(state[k].shape) != tuple(own[k].shape)
+    )
+    if missing or unexpected or shapes:
+        parts = [
+            f"{len(v)} {label}: {', '.join(v[:8])}"
+            for label, v in (("missing", missing), ("unexpected", unexpected), ("shape", shapes))
+            if v
+        ]
+        raise ValueError(
+            f"checkpoint {source}: does not match the ImageBind architecture; " + "; ".join(parts)
+        )
 
 
 class ImageBindReward(Reward):

@@ -54,6 +54,7 @@ _BUILTIN_LAZY = {
     "aesthetic": (".clip", "AestheticReward"),
     "clap": (".clap", "CLAPReward"),
     "imagebind": (".imagebind", "ImageBindReward"),
+    "dina_lrm": (".dina_lrm", "DiNaLRMReward"),
     "latent": (".latent", "LatentReward"),
     "math": (".math", "MathReward"),
     "choice": (".math", "ChoiceReward"),

@@ -2,6 +2,7 @@
 
     omni-train RECIPE [key=value ...]        train (overrides are dotted YAML scalars)
     omni-train validate RECIPE [key=value ...]   check a recipe without running it
+    omni-train validate --memory RECIPE          ... and estimate its per-GPU memory
     omni-train resume RUN [--checkpoint N] [key=value ...]   continue RUN (latest checkpoint)
     omni-train export RUN --format diffusers|peft|merged [--out DIR]   the trained weights
     omni-train report RUN                    write RUN/report.html (curves, sample grids)
@@ -26,6 +27,7 @@ COMMANDS = ("validate", "resume", "report", "prepare", "recipes", "export")
 
 USAGE = """omni-train RECIPE [key=value ...]
        omni-train validate RECIPE [key=value ...]
+       omni-train validate --memory RECIPE [--published NAME] [--gpu-gib GIB]
        omni-train resume RUN [--checkpoint N] [key=value ...]
        omni-train export RUN --format diffusers|peft|merged [--out DIR] [--checkpoint N]
        omni-train report RUN
@@ -45,6 +47,24 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
             action="store_true",
             help="also run one step of it into a temporary folder (builds the model and the "
             "reward, rolls out, scores, updates)",
+        )
+        p.add_argument(
+            "--memory",
+            action="store_true",
+            help="estimate per-GPU training memory from the released model's configs (meta "
+            "device, no weights)",
+        )
+        p.add_argument(
+            "--published",
+            default=None,
+            help="--memory: the published model (name or repo id) when model.path's folder "
+            "name does not say it",
+        )
+        p.add_argument(
+            "--gpu-gib",
+            type=float,
+            default=None,
+            help="--memory: GPU memory in GiB (default: report 80 and 141)",
         )
     elif cmd == "resume":
         p = argparse.ArgumentParser(
@@ -139,6 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from .validate import dry_run
 
                 print(dry_run(recipe))
+            if args.memory:
+                from .memory_report import memory_report
+
+                for line in memory_report(recipe, published=args.published, gpu_gib=args.gpu_gib):
+                    print(line)
             print(f"ok: {args.recipe} is a valid recipe")
             return 0
         if cmd == "prepare":

@@ -85,8 +85,10 @@ def validate_recipe(recipe: Recipe) -> list[str]:
                     more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
                     raise RecipeError(f"{key}.name: {name} cannot score {source}: {bad[0]}{more}")
     _check_extras(recipe)
+    from omni_adapters import is_saved_model
+
     path = Path(recipe.model.path)
-    has_model = (path / "model_index.json").is_file() or (path / "config.json").is_file()
+    has_model = is_saved_model(path)
     if recipe.model.tiny is not None:
         from omni_adapters import FAMILY_MODULES
 

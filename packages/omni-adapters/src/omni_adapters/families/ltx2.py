@@ -1,4 +1,4 @@
-"""LTX-2 text-to-video+audio (``LTX2Pipeline``): ``LTX2VideoTransformer3DModel`` (a dual-stream
+"""LTX-2 / LTX-2.3 text-to-video+audio (``LTX2Pipeline``): ``LTX2VideoTransformer3DModel`` (a dual-stream
 video/audio DiT with video<->audio cross-attention), ``AutoencoderKLLTX2Video``,
 ``AutoencoderKLLTX2Audio`` (mel-spectrogram VAE), ``LTX2Vocoder`` (mel -> waveform),
 ``LTX2TextConnectors`` and a Gemma-3 text encoder.
@@ -25,9 +25,12 @@ As in the diffusers pipeline (LTX-2.0 layout):
   waveform. :meth:`LTX2Adapter.decode` returns the frames (the ``Denoiser`` contract: one
   uint8 tensor); :meth:`LTX2Adapter.decode_av` returns frames plus waveform.
 
-Not covered: LTX-2.3 per-modality text projections, spatio-temporal (STG) and
-modality-isolation guidance, a separate audio guidance scale, image conditioning and the
-latent upsampler stages.
+LTX-2.3 (the release the recipe trains) is the same pipeline with gated attention,
+cross-attention modulation and per-modality text projections switched on in the configs
+(diffusers' conversion script, version "2.3"); the tiny model is built in that layout.
+
+Not covered: spatio-temporal (STG) and modality-isolation guidance, a separate audio
+guidance scale, image conditioning and the latent upsampler stages.
 """
 
 from __future__ import annotations
@@ -41,11 +44,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..base import register_adapter, write_adapter_options
+from ..base import load_module, register_adapter, write_adapter_options
 from ..diffusion import DiffusionAdapter, to_uint8
 from ..tiny import register_tiny
 
-__all__ = ["LTX2_LORA_TARGETS", "LTX2Adapter", "build_tiny"]
+__all__ = [
+    "LTX2_LORA_TARGETS",
+    "LTX23_CONNECTORS",
+    "LTX23_TRANSFORMER",
+    "LTX2Adapter",
+    "build_tiny",
+    "build_tiny_version",
+]
 
 FAMILY = "ltx2"
 
@@ -97,8 +107,11 @@ class LTX2Adapter(DiffusionAdapter):
             if not (isinstance(entry, list) and len(entry) == 2) or entry[0] is None:
                 continue
             library, class_name = entry
+            sub = path / name
+            if device.type == "meta" and not (sub / "config.json").is_file():
+                continue  # config-only folder (architecture checks): tokenizer etc. absent
             if name == "tokenizer":
-                tok = AutoTokenizer.from_pretrained(path / name)
+                tok = AutoTokenizer.from_pretrained(sub)
                 tok.padding_side = "left"
                 out[name] = tok
                 continue
@@ -106,13 +119,10 @@ class LTX2Adapter(DiffusionAdapter):
             klass = getattr(mod, class_name, None)
             if klass is None:
                 raise ValueError(f"{index}: component {name!r}: {library}.{class_name} not found")
-            kwargs = {"torch_dtype": dtype} if library != "transformers" else {"dtype": dtype}
-            if class_name.endswith("Scheduler"):
-                kwargs = {}
-            obj = klass.from_pretrained(path / name, **kwargs)
-            if isinstance(obj, torch.nn.Module):
-                obj = obj.to(device=device).eval()
-            out[name] = obj
+            if isinstance(klass, type) and issubclass(klass, torch.nn.Module):
+                out[name] = load_module(klass, sub, dtype=dtype, device=device)
+            else:
+                out[name] = klass.from_pretrained(sub)
         return out
 
     # --------------------------------------------------------------- text
@@ -260,6 +270,9 @@ class LTX2Adapter(DiffusionAdapter):
             audio_num_frames=g["la"],
             video_coords=video_coords,
             audio_coords=audio_coords,
+            # the pipeline's default: each stream's cross-attention modulation reads the other
+            # stream's sigma (the LTX-2.3 behaviour; both sigmas are equal here)
+            use_cross_timestep=True,
             return_dict=False,
         )
         v_video = pipe._unpack_latents(out_v.float(), g["f"], g["h"], g["w"], p, pt)
@@ -351,13 +364,43 @@ def _tiny_gemma_tokenizer(max_length: int) -> Any:
     )
 
 
-@register_tiny(FAMILY)
+#: the transformer / connector flags that make an LTX-2.0 config an LTX-2.3 one (diffusers'
+#: scripts/convert_ltx2_to_diffusers.py, version "2.3": gated attention, cross-attention
+#: modulation, perturbed attention, per-modality text projections with bias, no caption
+#: projection in the transformer)
+LTX23_TRANSFORMER = {
+    "gated_attn": True,
+    "cross_attn_mod": True,
+    "audio_gated_attn": True,
+    "audio_cross_attn_mod": True,
+    "use_prompt_embeddings": False,
+    "perturbed_attn": True,
+}
+LTX23_CONNECTORS = {
+    "video_gated_attn": True,
+    "audio_gated_attn": True,
+    "per_modality_projections": True,
+    "proj_bias": True,
+}
+
+
+@register_tiny(FAMILY, revision=2)  # 2: the LTX-2.3 layout
 def build_tiny(path: str | Path, seed: int = 0) -> Path:
-    """Tiny LTX-2 pipeline: dual-stream DiT with 2 blocks (video 2 heads x 8, audio 2 heads x 4),
-    video VAE with 4 latent channels (spatial and temporal factor 2: 32 px x 5 frames -> 4 x 3
-    x 16 x 16), audio VAE with 2 latent channels over 8 mel bins (factor 4 in time and mel),
-    a 2-layer vocoder (x4 upsampling, stereo, 16 kHz), text connectors (4 heads x 8) and a
-    Gemma-3 encoder (hidden 32, 2 layers, tiny SigLIP tower); 16 text tokens."""
+    """Tiny LTX-2.3 pipeline (:func:`build_tiny_version` with ``"2.3"``)."""
+    return build_tiny_version(path, seed, "2.3")
+
+
+def build_tiny_version(path: str | Path, seed: int = 0, version: str = "2.3") -> Path:
+    """Tiny LTX-2 pipeline in the ``version`` ("2.0" or "2.3") layout: dual-stream DiT with 2
+    blocks (video 2 heads x 8, audio 2 heads x 4), video VAE with 4 latent channels (spatial
+    and temporal factor 2: 32 px x 5 frames -> 4 x 3 x 16 x 16), audio VAE with 2 latent
+    channels over 8 mel bins (factor 4 in time and mel), a 2-layer vocoder (x4 upsampling,
+    stereo, 16 kHz), text connectors (4 heads x 8) and a Gemma-3 encoder (hidden 32, 2 layers,
+    tiny SigLIP tower); 16 text tokens. 2.3 adds :data:`LTX23_TRANSFORMER` /
+    :data:`LTX23_CONNECTORS` (its text connectors project straight to each stream's width)."""
+    if version not in ("2.0", "2.3"):
+        raise ValueError(f"version: expected '2.0' or '2.3', got {version!r}")
+    v23 = version == "2.3"
     from diffusers import (
         AutoencoderKLLTX2Audio,
         AutoencoderKLLTX2Video,
@@ -424,16 +467,19 @@ def build_tiny(path: str | Path, seed: int = 0) -> Path:
             caption_channels=width,
             rope_double_precision=False,
             rope_type="split",
+            **(LTX23_TRANSFORMER if v23 else {}),
         )
         connectors = LTX2TextConnectors(
             caption_channels=width,
             text_proj_in_factor=layers + 1,
-            video_connector_num_attention_heads=4,
+            # 2.3: each connector runs at its stream's width (video 2 x 8, audio 2 x 4), as
+            # the release's 32 x 128 = 4096 and 32 x 64 = 2048
+            video_connector_num_attention_heads=2 if v23 else 4,
             video_connector_attention_head_dim=8,
             video_connector_num_layers=1,
             video_connector_num_learnable_registers=None,
-            audio_connector_num_attention_heads=4,
-            audio_connector_attention_head_dim=8,
+            audio_connector_num_attention_heads=2 if v23 else 4,
+            audio_connector_attention_head_dim=4 if v23 else 8,
             audio_connector_num_layers=1,
             audio_connector_num_learnable_registers=None,
             connector_rope_base_seq_len=32,
@@ -441,6 +487,11 @@ def build_tiny(path: str | Path, seed: int = 0) -> Path:
             rope_double_precision=False,
             causal_temporal_positioning=False,
             rope_type="split",
+            **(
+                {**LTX23_CONNECTORS, "video_hidden_dim": 2 * 8, "audio_hidden_dim": 2 * 4}
+                if v23
+                else {}
+            ),
         )
         vae = AutoencoderKLLTX2Video(
             in_channels=3,

@@ -142,13 +142,15 @@ class Qwen3OmniThinkerAdapter(ThinkerAdapter):
         for text-only training."""
         from transformers import AutoProcessor
 
-        thinker = _load_thinker(path, audio_output="talker" not in skip)
+        thinker = _load_thinker(path, audio_output="talker" not in skip, device=device)
         for name in skip:
             if name in ("talker", "code2wav", "processor", "tokenizer"):
                 continue
             delattr(_tower_owner(thinker, name), name)
         thinker.to(device=device, dtype=dtype).eval()
         out: dict[str, Any] = {"thinker": thinker}
+        if device.type == "meta":
+            return out
         if "processor" not in skip:
             processor = AutoProcessor.from_pretrained(path)
             processor.tokenizer.padding_side = "left"
@@ -550,25 +552,49 @@ def _tower_owner(thinker: nn.Module, name: str) -> nn.Module:
     return owner
 
 
-def _load_thinker(path: Path, *, audio_output: bool = False) -> nn.Module:
-    """The thinker of a saved full model or a saved thinker; the talker is never built."""
+def _load_thinker(
+    path: Path, *, audio_output: bool = False, device: torch.device | None = None
+) -> nn.Module:
+    """The thinker of a saved full model or a saved thinker; the talker is never built.
+
+    Strict: every thinker tensor of the checkpoint is loaded and every thinker parameter is
+    set; the only checkpoint tensors not used are the talker's and code2wav's (``talker.*``,
+    ``code2wav.*``), which this stage does not build. On the meta device only
+    ``config.json`` is read (full-size architecture checks)."""
     from transformers import (
+        Qwen3OmniMoeConfig,
         Qwen3OmniMoeForConditionalGeneration,
+        Qwen3OmniMoeThinkerConfig,
         Qwen3OmniMoeThinkerForConditionalGeneration,
     )
     from transformers.utils import logging as hf_logging
 
+    from ..checkpoints import check_loading_info
+
     arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    if device is not None and device.type == "meta":
+        with torch.device("meta"):
+            if arch == "Qwen3OmniMoeThinkerForConditionalGeneration":
+                cfg = Qwen3OmniMoeThinkerConfig.from_pretrained(path)
+            else:
+                cfg = Qwen3OmniMoeConfig.from_pretrained(path).thinker_config
+            return Qwen3OmniMoeThinkerForConditionalGeneration._from_config(cfg)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the skipped talker weights are reported as unexpected
     try:
         if arch == "Qwen3OmniMoeThinkerForConditionalGeneration":
-            return Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(path)
-        full = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-            path, enable_audio_output=audio_output
+            thinker, info = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
+                path, output_loading_info=True, use_safetensors=True
+            )
+            check_loading_info(str(path), info)
+            return thinker
+        full, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+            path, enable_audio_output=audio_output, output_loading_info=True, use_safetensors=True
         )
     finally:
         hf_logging.set_verbosity(verbosity)
+    skipped = () if audio_output else ("talker.", "code2wav.")
+    check_loading_info(str(path), info, allow_unexpected=skipped)
     full.disable_talker()
     return full.thinker
 

@@ -83,30 +83,77 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return int(h), int(w)
 
     @property
+    def vl_condition_size(self) -> tuple[int, int]:
+        """(H, W) of the condition image the Qwen2.5-VL encoder sees: the same as
+        :attr:`condition_size` here (the edit pipeline gives both paths one resized image)."""
+        return self.condition_size
+
+    #: the most condition images one request may carry
+    max_condition_images: ClassVar[int] = 1
+
+    def image_prompt(self, count: int) -> str:
+        """Text put in front of the instruction for ``count`` condition images (the edit
+        template already holds the one image's vision tokens)."""
+        return ""
+
+    @property
     def template_drop(self) -> int:
-        """Template tokens before ``<|vision_start|>`` (64 with the released tokenizer)."""
+        """Template tokens before the user content (64 with the released tokenizer)."""
         tok = self.components["tokenizer"]
-        prefix = self.prompt_template.split("<|vision_start|>")[0]
+        prefix = self.prompt_template.split("{}")[0].split("<|vision_start|>")[0]
         return len(tok(prefix, add_special_tokens=False).input_ids)
 
-    def _images(self, images: Any) -> Tensor:
+    def condition_rows(self, images: Any) -> list[list[Tensor]]:
+        """The condition images per row as uint8 ``(H, W, 3)`` tensors: a uint8 ``(B, H, W,
+        3)`` tensor/array (one image per row), a ``(B, K, H, W, 3)`` one (K per row), or a
+        list with, per row, one image or a list of images (PIL, arrays or tensors). Every row
+        must carry the same number of images (they are stacked)."""
         if images is None:
+            raise ValueError(f"images: {self.family} needs condition images (encode(..., images=))")
+        if not isinstance(images, (list, tuple)):
+            x = torch.as_tensor(np.asarray(images) if not isinstance(images, Tensor) else images)
+            if x.dim() == 4:
+                rows = [[r] for r in x]
+            elif x.dim() == 5:
+                rows = [list(r) for r in x]
+            else:
+                raise ValueError(f"images: expected (B, H, W, 3) uint8, got {tuple(x.shape)}")
+        else:
+            rows = [list(r) if isinstance(r, (list, tuple)) else [r] for r in images]
+        counts = {len(r) for r in rows}
+        if len(counts) > 1:
             raise ValueError(
-                "images: qwen_image_edit needs condition images (encode(..., images=))"
+                f"images: every row of a batch needs the same number of condition images, got "
+                f"{sorted(counts)}"
             )
-        return images_to_tensor(images, self.condition_size)
+        k = counts.pop() if counts else 0
+        if not 1 <= k <= self.max_condition_images:
+            raise ValueError(
+                f"images: {self.family} takes 1 to {self.max_condition_images} condition "
+                f"image(s) per request, got {k}"
+            )
+        return rows
+
+    def _resized(self, rows: list[list[Any]], size: tuple[int, int]) -> Tensor:
+        """(B * K, 3, H, W) float in [0, 1], row-major (all images of row 0 first)."""
+        return images_to_tensor([im for row in rows for im in row], size)
+
+    def _images(self, images: Any) -> Tensor:
+        return self._resized(self.condition_rows(images), self.condition_size)
 
     def encode_prompts(self, prompts: list[str], **inputs: Any) -> dict[str, Tensor]:
-        """Instruction + condition image through Qwen2.5-VL: ``prompt_embeds`` (B, L, D) and
+        """Instruction + condition image(s) through Qwen2.5-VL: ``prompt_embeds`` (B, L, D) and
         ``prompt_embeds_mask`` (B, L); L counts the image tokens too."""
-        img = self._images(inputs.get("images"))
-        if img.shape[0] != len(prompts):
-            raise ValueError(f"images: {img.shape[0]} images for {len(prompts)} prompts")
+        rows = self.condition_rows(inputs.get("images"))
+        if len(rows) != len(prompts):
+            raise ValueError(f"images: {len(rows)} rows of images for {len(prompts)} prompts")
+        k = len(rows[0])
+        img = self._resized(rows, self.vl_condition_size)
         proc = self.components["processor"]
         tok = self.components["tokenizer"]
         enc = self.components["text_encoder"]
         drop, length = self.template_drop, self.max_text_length
-        texts = [self.prompt_template.format(p) for p in prompts]
+        texts = [self.prompt_template.format(self.image_prompt(k) + p) for p in prompts]
         model_inputs = proc(
             text=texts,
             images=list((img * 255).round().to(torch.uint8)),
@@ -116,9 +163,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
             return_tensors="pt",
         ).to(self.device)
         image_id = tok.convert_tokens_to_ids("<|image_pad|>")
-        expected = (
-            int(model_inputs["image_grid_thw"][0].prod()) // proc.image_processor.merge_size**2
-        )
+        merge = proc.image_processor.merge_size**2
+        expected = sum(int(t.prod()) // merge for t in model_inputs["image_grid_thw"][:k])
         got = int((model_inputs["input_ids"][0] == image_id).sum())
         if got != expected:
             raise ValueError(
@@ -142,35 +188,45 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
     def encode_shared(self, **inputs: Any) -> dict[str, Tensor]:
-        """``image_latents`` (B, z_dim, h', w'): normalised VAE posterior mode of the image."""
+        """``image_latents``: normalised VAE posterior mode of the condition image, (B, z_dim,
+        h', w') for one image per row, (B, K, z_dim, h', w') for K (Edit-Plus)."""
         unknown = set(inputs) - {"images"}
         if unknown:
             raise TypeError(f"encode: unexpected inputs {sorted(unknown)}")
-        img = self._images(inputs.get("images")).to(self.device)
+        rows = self.condition_rows(inputs.get("images"))
+        img = self._resized(rows, self.condition_size).to(self.device)
         vae = self.components["vae"]
         x = (img * 2 - 1).unsqueeze(2).to(vae.dtype)
         z = vae.encode(x).latent_dist.mode()[:, :, 0].float()
         cfg = vae.config
         mean = torch.tensor(cfg.latents_mean, device=z.device).view(1, -1, 1, 1)
         std = torch.tensor(cfg.latents_std, device=z.device).view(1, -1, 1, 1)
-        return {"image_latents": (z - mean) / std}
+        z = (z - mean) / std
+        if self.max_condition_images == 1:
+            return {"image_latents": z}
+        return {"image_latents": z.reshape(len(rows), len(rows[0]), *z.shape[1:])}
 
     def transformer_forward(
         self, latents: Tensor, sigma: Tensor, condition: dict[str, Tensor], params: Any
     ) -> Tensor:
-        """Noisy tokens then condition-image tokens on one axis; output cropped to the noisy ones."""
+        """Noisy tokens, then each condition image's tokens, on one axis (the pipeline's
+        ``torch.cat([latents, image_latents], dim=1)``); output cropped to the noisy ones."""
         b, _, h, w = latents.shape
         cond = condition["image_latents"]
+        if cond.dim() == 4:
+            cond = cond.unsqueeze(1)
         ch, cw = cond.shape[-2:]
         x = pack(latents)
-        tokens = torch.cat([x, pack(cond.to(latents.dtype))], dim=1)
+        parts = [x] + [pack(cond[:, i].to(latents.dtype)) for i in range(cond.shape[1])]
+        tokens = torch.cat(parts, dim=1)
         dt = self.model.dtype
+        shapes = [(1, h // 2, w // 2)] + [(1, ch // 2, cw // 2)] * cond.shape[1]
         out = self.model(
             hidden_states=tokens.to(dt),
             encoder_hidden_states=condition["prompt_embeds"].to(dt),
             encoder_hidden_states_mask=condition["prompt_embeds_mask"],
             timestep=sigma.to(dt),
-            img_shapes=[[(1, h // 2, w // 2), (1, ch // 2, cw // 2)]] * b,
+            img_shapes=[shapes] * b,
             return_dict=False,
         )[0]
         return unpack(out[:, : x.shape[1]], h, w)

@@ -60,7 +60,7 @@ class Wan22Adapter(DiffusionAdapter):
                 raise ValueError(f"{path}: boundary_ratio: needed with transformer_2")
             comps["transformer"] = nn.ModuleDict(
                 {"transformer": comps["transformer"], "transformer_2": comps.pop("transformer_2")}
-            )
+            ).eval()
         comps["pipeline_config"] = {
             "expand_timesteps": bool(index.get("expand_timesteps", False)),
             "boundary_ratio": ratio,
