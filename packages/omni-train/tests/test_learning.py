@@ -165,7 +165,8 @@ def test_sigkill_then_resume_matches(tmp_path: Path, tiny_sd3: Path) -> None:
         "rollout.n=4",
         "data.prompts_per_step=2",
     ]
-    full = train(load_recipe(QUICKSTART, [*over, f"trainer.output_dir={tmp_path / 'full'}"]))
+    train(load_recipe(QUICKSTART, [*over, f"trainer.output_dir={tmp_path / 'full'}"]))
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl")  # with the step-0 baseline row
     run = tmp_path / "killed"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(

@@ -40,7 +40,7 @@ def test_overrides_parse_yaml_scalars(recipe_file: Path, tmp_path: Path) -> None
             f"trainer.output_dir={tmp_path}/x",
             "optimizer.lr=1e-3",
             "lora.target_modules=[to_q, to_k]",
-            "trainer.tensorboard=true",
+            "trainer.report_to=[tensorboard]",
         ],
     )
     assert r.trainer.steps == 7 and isinstance(r.trainer.steps, int)
@@ -48,7 +48,7 @@ def test_overrides_parse_yaml_scalars(recipe_file: Path, tmp_path: Path) -> None
     assert r.trainer.output_dir == f"{tmp_path}/x"
     assert r.optimizer.lr == pytest.approx(1e-3)
     assert r.lora.target_modules == ["to_q", "to_k"]
-    assert r.trainer.tensorboard is True
+    assert r.trainer.report_to == ["tensorboard"]
 
 
 def test_override_creates_missing_section(recipe_dict) -> None:

@@ -24,19 +24,19 @@ def test_latent_reward_trains_without_decoding(train_dict, tmp_path: Path) -> No
             "inputs": ["latents"],
             "distill": {"teacher": "brightness", "samples": 24, "steps": 20},
         },
-        trainer={"sample_every": 2, "steps": 4},
+        trainer={"sample_every": 3, "steps": 5},
     )
     loop = local_loop(recipe_from_dict(d), tmp_path / "run")
     report = json.loads((scorer / "report.json").read_text())
     assert report["pairs"] == 24 and report["teacher"] == "brightness"
     reqs = loop.requests_for(1)
-    assert {q.params.output for q in reqs} == {"latent"}  # step 1 is not a sample step
+    assert {q.params.output for q in reqs} == {"latent"}  # index 1 = step 2: not a sample step
     trajs = loop.ports.rollout.generate_many(reqs)
     assert all(tr.media is None and tr.final_latent is not None for tr in trajs)
     rewards, _, media = loop.score(trajs, 1)
     assert media is None and np.isfinite(rewards).all()  # no decode at all
     trajs0 = loop.ports.rollout.generate_many(loop.requests_for(0))
-    _, _, media0 = loop.score(trajs0, 0)  # a sample step: decoded for the grid only
+    _, _, media0 = loop.score(trajs0, 0)  # step 1 is a sample step: decoded for the grid only
     assert media0 is not None and media0.shape == (8, 32, 32, 3)
     loop.ports.close()
     # the scorer is not refitted when it exists

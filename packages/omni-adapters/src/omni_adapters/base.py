@@ -855,7 +855,7 @@ class OmniModelBase:
 
     # ------------------------------------------------------- rollout alignment
     def export_rollout_weights(
-        self, fmt: str = "omni", *, adapter_name: str | None = None
+        self, fmt: str = "omni", *, adapter_name: str | None = None, gather: bool = True
     ) -> dict[str, torch.Tensor]:
         """The trainable weights as the rollout engine expects them: float32, contiguous, CPU.
 
@@ -865,7 +865,9 @@ class OmniModelBase:
         - ``fmt="vllm_omni"`` (alias ``"peft"``): peft's saved-adapter layout, the same names
           with ``base_model.model.`` in front (pair with :meth:`lora_config`).
 
-        Under FSDP2 the DTensor shards are all-gathered (every rank must call this).
+        Under FSDP2 the DTensor shards are all-gathered (every rank must call this); with
+        ``gather=False`` they stay DTensors (detached, no collective) so that each rank can
+        send its own piece (``DTensor.to_local()``) and the receiver puts them together.
         """
         if fmt not in ("omni", "vllm_omni", "peft"):
             raise ValueError(f"fmt: expected 'omni', 'vllm_omni' or 'peft', got {fmt!r}")
@@ -879,6 +881,8 @@ class OmniModelBase:
         prefix = "" if fmt == "omni" else self.vllm_omni_prefix
         # sorted: under FSDP2 each DTensor is all-gathered, a collective every rank runs in
         # the same order
+        if not gather:
+            return {prefix + self.checkpoint_name(k): tensors[k].detach() for k in sorted(tensors)}
         return {
             prefix + self.checkpoint_name(k): _full(tensors[k])
             .to(device="cpu", dtype=torch.float32)

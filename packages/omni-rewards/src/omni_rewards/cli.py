@@ -17,27 +17,11 @@ from PIL import Image
 
 from .base import MissingDependencyError
 from .limits import HTTPLimits, RewardLimits
+from .options import parse_options
 from .registry import available_rewards, load_reward
 from .types import RewardInput
 
-__all__ = ["main", "parse_options"]
-
-
-def parse_options(items: Sequence[str]) -> dict[str, Any]:
-    """``["batch_size=4", "backend=rapidocr"]`` -> ``{"batch_size": 4, "backend": "rapidocr"}``.
-
-    Values are parsed as JSON when they can be, else kept as strings.
-    """
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise SystemExit(f"--option {item!r}: expected key=value")
-        key, value = item.split("=", 1)
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
+__all__ = ["main"]
 
 
 def _load_media(files: Sequence[str]) -> dict[str, Any]:

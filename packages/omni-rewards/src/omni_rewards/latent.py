@@ -367,7 +367,7 @@ def synthetic_pairs(
 
 def distill_main(args: Any) -> int:
     """``omni-rewards distill-latent`` (argparse namespace from `omni_rewards.cli`)."""
-    from .cli import parse_options
+    from .options import parse_options
     from .registry import load_reward
 
     if args.synthetic:

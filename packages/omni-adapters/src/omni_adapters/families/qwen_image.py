@@ -41,6 +41,17 @@ PROMPT_TEMPLATE = (
     "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 )
 
+# Qwen-Image-Edit's template (the Edit adapters use it); it lives here so that the tiny
+# tokenizer every Qwen-Image family shares knows its words without importing the Edit module.
+EDIT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, "
+    "texture, objects, background), then explain how the user's text instruction should alter "
+    "or modify the image. Generate a new image that meets the user's requirements while "
+    "maintaining consistency with the original input where appropriate.<|im_end|>\n"
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
 
 def pack(latents: Tensor) -> Tensor:
     """``(B, C, h, w)`` -> ``(B, h/2 * w/2, 4C)`` (2x2 patches, channel-major inside a patch)."""
@@ -264,7 +275,6 @@ def tiny_qwen_components(seed: int, *, zero_cond_t: bool = False) -> dict[str, A
     )
 
     from ..tokenizers_tiny import qwen2_tokenizer
-    from .qwen_image_edit import EDIT_TEMPLATE
 
     tok = qwen2_tokenizer(max_length=1024, words_from=(PROMPT_TEMPLATE, EDIT_TEMPLATE))
     encoder = tiny_qwen25vl(tok, hidden=32, seed=seed)

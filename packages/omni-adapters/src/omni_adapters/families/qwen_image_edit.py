@@ -25,18 +25,14 @@ from torch import Tensor
 
 from ..base import register_adapter, write_adapter_options
 from ..tiny import register_tiny
-from .qwen_image import QwenImageAdapter, pack, tiny_qwen_components, unpack
+from .qwen_image import EDIT_TEMPLATE, QwenImageAdapter, pack, tiny_qwen_components, unpack
 
-__all__ = ["QwenImageEditAdapter", "build_tiny_qwen_image_edit", "images_to_tensor"]
-
-EDIT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, "
-    "texture, objects, background), then explain how the user's text instruction should alter "
-    "or modify the image. Generate a new image that meets the user's requirements while "
-    "maintaining consistency with the original input where appropriate.<|im_end|>\n"
-    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
+__all__ = [
+    "EDIT_TEMPLATE",
+    "QwenImageEditAdapter",
+    "build_tiny_qwen_image_edit",
+    "images_to_tensor",
+]
 
 
 def images_to_tensor(images: Any, size: tuple[int, int]) -> Tensor:

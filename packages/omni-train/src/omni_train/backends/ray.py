@@ -215,16 +215,16 @@ class ActorWorker:
         from torch.distributed.tensor import DTensor, Shard
 
         tensors, layout = {}, {}
-        for name, t in self.adapter.export_rollout_weights(fmt).items():
+        for name, t in self.adapter.export_rollout_weights(fmt, gather=False).items():
             if isinstance(t, DTensor):
                 shard = [p.dim for p in t.placements if isinstance(p, Shard)]
                 if shard:
-                    tensors[name] = t.to_local().detach().cpu().contiguous()
+                    tensors[name] = t.to_local().to("cpu", torch.float32).contiguous()
                     layout[name] = {"dim": shard[0], "shape": list(t.shape)}
                     continue
                 t = t.to_local()
             if self.rank == 0:
-                tensors[name] = t.detach().cpu().contiguous()
+                tensors[name] = t.to("cpu", torch.float32).contiguous()
                 layout[name] = {"dim": None, "shape": list(t.shape)}
         return _pack(tensors, {"layout": layout, "rank": self.rank})
 
