@@ -91,7 +91,7 @@ def test_report_writes_html(train_dict, capsys) -> None:
     assert main(["report", recipe.trainer.output_dir]) == 0
     page = (Path(recipe.trainer.output_dir) / "report.html").read_text()
     assert page.count("data:image/png;base64,") >= 3  # reward curve, other curves, samples
-    assert "reward mean" in page and "step_0000" in page
+    assert "reward mean" in page and "step_0001" in page
 
 
 def test_validate_memory_estimates_a_gpu_recipe(capsys) -> None:
