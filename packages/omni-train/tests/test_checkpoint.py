@@ -147,7 +147,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(
     what, finished_run, tmp_path, capsys
 ) -> None:
     from omni_train.cli import main
-    from omni_train.plots import read_metrics
+    from omni_train.logger import read_metrics
 
     src, rows = finished_run
     run = tmp_path / "run"
@@ -180,7 +180,7 @@ def test_cut_metrics_line_stale_saves_and_a_row_lost_between_save_and_log(
     checkpoint whose step's row never reached metrics.jsonl. The resumed run ends with the
     uninterrupted run's metrics and no leftovers."""
     from omni_train import resume
-    from omni_train.plots import read_metrics
+    from omni_train.logger import read_metrics
 
     src, rows = finished_run
     run = tmp_path / "run"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,12 +87,16 @@ def test_report_writes_html(train_dict, capsys) -> None:
     from omni_train import train
     from omni_train.recipe import recipe_from_dict
 
-    recipe = recipe_from_dict(train_dict())
-    train(recipe)
+    d = train_dict()
+    d["trainer"].update(steps=2, val_every=1)
+    recipe = recipe_from_dict(d)
+    train(recipe)  # rows: the step-0 validation baseline (no reward/mean), steps 1 and 2
     assert main(["report", recipe.trainer.output_dir]) == 0
     page = (Path(recipe.trainer.output_dir) / "report.html").read_text()
     assert page.count("data:image/png;base64,") >= 3  # reward curve, other curves, samples
-    assert "reward mean" in page and "step_0001" in page
+    assert re.search(r"reward mean: -?[0-9.]+ \(step 1\) -&gt; -?[0-9.]+ \(step 2\)", page)
+    assert re.search(r"validation reward: -?[0-9.]+ \(step 0\) -&gt; -?[0-9.]+ \(step 2\)", page)
+    assert "step_0001" in page
 
 
 def test_validate_memory_estimates_a_gpu_recipe(capsys) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from omni_train import resume, train
-from omni_train.plots import read_metrics
+from omni_train.logger import read_metrics
 from omni_train.recipe import load_recipe
 
 TIMING_PREFIXES = ("timing/", "perf/")

@@ -10,8 +10,8 @@ import torch
 from omni_train import resume, train
 from omni_train.backends import make_ports
 from omni_train.errors import TrainError
+from omni_train.logger import read_metrics
 from omni_train.loops import OmniLoop
-from omni_train.plots import read_metrics
 from omni_train.recipe import RecipeError, recipe_from_dict
 
 TIMING_PREFIXES = ("timing/", "perf/")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from omni_train.plots import read_metrics
+from omni_train.logger import read_metrics
 
 pytest.importorskip("ray")
 

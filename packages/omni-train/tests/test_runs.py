@@ -12,9 +12,9 @@ import pytest
 from omni_train import train
 from omni_train.cli import main
 from omni_train.errors import TrainError
+from omni_train.logger import read_metrics
 from omni_train.loops import DiffusionLoop
 from omni_train.lr_schedule import learning_rate
-from omni_train.plots import read_metrics
 from omni_train.recipe import recipe_from_dict
 
 TIMING = ("timing/", "perf/")

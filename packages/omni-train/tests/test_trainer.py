@@ -12,8 +12,8 @@ from omni_train_testutils import local_loop, rollout_and_score
 
 from omni_train import resume, train
 from omni_train.errors import NonFiniteError, TrainError
+from omni_train.logger import read_metrics
 from omni_train.loops import DiffusionLoop
-from omni_train.plots import read_metrics
 from omni_train.recipe import RecipeError, recipe_from_dict
 
 #: metrics that measure wall-clock time (they differ between runs; everything else must not)

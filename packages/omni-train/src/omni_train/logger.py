@@ -24,6 +24,26 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a metrics.jsonl file. A last line a kill cut short is left out; a bad line
+    elsewhere is a ValueError naming it."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    lines = [ln for ln in p.read_text(errors="replace").splitlines() if ln.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1:
+                break  # the half-written row of a killed run: resume writes it again
+            raise ValueError(f"{p}, line {i + 1}: not a JSON object") from None
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 class MetricsLogger:
     """Appends step rows to `<run>/metrics.jsonl` and mirrors scalars to TensorBoard."""
 
@@ -50,8 +70,6 @@ class MetricsLogger:
     def truncate_after(self, step: int) -> None:
         """Drop rows with `step` > the given step (a resumed run rewrites them), and a last
         line a kill cut short."""
-        from .plots import read_metrics
-
         keep = [json.dumps(r) for r in read_metrics(self.path) if r.get("step", -1) <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in keep))
@@ -59,8 +77,6 @@ class MetricsLogger:
 
     def steps(self) -> set[int]:
         """The step numbers that have a row."""
-        from .plots import read_metrics
-
         return {int(r["step"]) for r in read_metrics(self.path) if "step" in r}
 
     def log(self, row: dict[str, Any]) -> None:

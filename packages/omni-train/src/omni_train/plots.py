@@ -2,33 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of a metrics.jsonl file. A last line a kill cut short is left out; a bad line
-    elsewhere is a ValueError naming it."""
-    p = Path(path)
-    if not p.is_file():
-        return []
-    lines = [ln for ln in p.read_text(errors="replace").splitlines() if ln.strip()]
-    rows = []
-    for i, line in enumerate(lines):
-        try:
-            row = json.loads(line)
-        except ValueError:
-            if i == len(lines) - 1:
-                break  # the half-written row of a killed run: resume writes it again
-            raise ValueError(f"{p}, line {i + 1}: not a JSON object") from None
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def plot_reward_curve(

@@ -8,10 +8,32 @@ import json
 from pathlib import Path
 
 from .errors import TrainError
-from .plots import plot_reward_curve, read_metrics
+from .logger import read_metrics
+from .plots import plot_reward_curve
 
-#: curves drawn besides the reward (when present in metrics.jsonl)
-CURVES = ("loss", "actor/grad_norm", "actor/approx_kl", "actor/clipfrac", "timing/step_s")
+#: curves drawn besides the reward (each when present in metrics.jsonl)
+CURVES = (
+    "val/reward_mean",
+    "reward/std",
+    "loss",
+    "actor/policy_loss",
+    "actor/grad_norm",
+    "actor/approx_kl",
+    "actor/clipfrac",
+    "policy/kl_to_ref",
+    "samples/diversity",
+    "timing/step_s",
+)
+
+
+def _first_to_last(rows: list[dict], key: str, label: str) -> str | None:
+    """ "label: X (step N) -> Y (step M)" over the rows that have `key` (the step-0 baseline
+    row has validation only; training rows may have no validation), or None."""
+    have = [r for r in rows if isinstance(r.get(key), (int, float))]
+    if not have:
+        return None
+    a, b = have[0], have[-1]
+    return f"{label}: {a[key]:.4f} (step {a.get('step')}) -> {b[key]:.4f} (step {b.get('step')})"
 
 
 def _img(path: Path) -> str:
@@ -57,10 +79,12 @@ def write_report(run: str | Path) -> Path:
         f"<h1>{html.escape(run.name)}</h1>",
     ]
     last = rows[-1]
-    parts.append(
-        f"<p>{len(rows)} steps; reward mean {rows[0]['reward/mean']:.4f} (step 0) -> "
-        f"{last['reward/mean']:.4f} (step {last['step']})</p>"
-    )
+    trained = [r for r in rows if "reward/mean" in r]
+    parts.append(f"<p>{len(trained)} training steps</p>")
+    for key, label in (("reward/mean", "reward mean"), ("val/reward_mean", "validation reward")):
+        line = _first_to_last(rows, key, label)
+        if line is not None:
+            parts.append(f"<p>{html.escape(line)}</p>")
     parts.append("<h2>Curves</h2>" + _img(curve))
     for i, key in enumerate(CURVES):
         png = _curve_png(rows, key, tmp / f"curve{i}.png")

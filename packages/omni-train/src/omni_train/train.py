@@ -17,7 +17,7 @@ import yaml
 from .algorithms import algorithm
 from .checkpoint import newest_good_checkpoint, verify_checkpoint
 from .errors import TrainError
-from .plots import read_metrics
+from .logger import read_metrics
 from .recipe import Recipe, load_recipe
 
 __all__ = ["resume", "train"]

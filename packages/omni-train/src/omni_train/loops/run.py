@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import load_checkpoint, remove_stale_saves, save_checkpoint
-from ..logger import MetricsLogger, console_line, open_logger
-from ..plots import plot_reward_curve, read_metrics
+from ..logger import MetricsLogger, console_line, open_logger, read_metrics
+from ..plots import plot_reward_curve
 from ..recipe import Recipe, dump_recipe
 
 __all__ = [
