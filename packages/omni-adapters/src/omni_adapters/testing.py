@@ -43,19 +43,18 @@ def generators(seeds: list[int]) -> list[torch.Generator]:
 
 def sde_step(x, v, sigma, sigma_next, noise_level, *, prev_sample=None, generators=None):
     """FlowGRPO SDE step (Liu et al. 2025), local test copy (omni_adapters may not import
-    omni_algos): std = a sqrt(s / (1 - s)),
+    omni_algos): std = a sqrt(s / (1 - s')) with s' = s_next where s == 1 (else s),
     mean = x (1 + std^2 dt / (2 s)) + v (1 + std^2 (1 - s) / (2 s)) dt, dt = s_next - s < 0,
-    x' = mean + std sqrt(-dt) eps; log-prob averaged over non-batch dims."""
+    x' = mean + std sqrt(-dt) eps; log-prob averaged over non-batch dims. Equal to
+    ``omni_algos.sde.step(kind="sde")``: omni-train's test_one_implementation.py checks it."""
     x, v = x.float(), v.float()
     shape = (-1,) + (1,) * (x.dim() - 1)
     s = sigma.float().view(shape)
     sn = sigma_next.float().view(shape)
     dt = sn - s
-    s_safe = torch.where(s >= 1.0, torch.full_like(s, 0.999), s)
-    std = noise_level * torch.sqrt(s_safe / (1 - s_safe))
-    mean = (
-        x * (1 + std**2 / (2 * s_safe) * dt) + v * (1 + std**2 * (1 - s_safe) / (2 * s_safe)) * dt
-    )
+    s_denom = torch.where(s >= 1.0, sn, s)  # 1 - s = 0 at the first step: Flow-GRPO's sigmas[1]
+    std = noise_level * torch.sqrt(s / (1 - s_denom))
+    mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
     scale = std * torch.sqrt(-dt)
     if prev_sample is None:
         eps = torch.stack([torch.randn(x.shape[1:], generator=g) for g in generators])
