@@ -61,7 +61,7 @@ from .recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict, unkn
 from .rewards import build_reward
 from .seeds import DOMAIN_VAL, derive_seed
 
-__all__ = ["MAX_N", "eval_recipe", "evaluate", "summarize"]
+__all__ = ["MAX_N", "eval_recipe", "evaluate", "load_base", "load_run_policy", "summarize"]
 
 #: samples per prompt at most: sample k of prompt i is index i * 1000 + k (the validation's)
 MAX_N = 1000
@@ -163,6 +163,16 @@ def _checkpoint(run: Path, step: int | None) -> Path:
             f"{why}; evaluate the base model by passing its folder instead"
         )
     return ck
+
+
+def load_run_policy(recipe: Recipe, checkpoint: Path) -> Any:
+    """The run's policy: `load_policy` (LoRA set up as in training) with the checkpoint's
+    trainable tensors copied in (`load_trainable`, as resume does), every parameter frozen."""
+    adapter = load_policy(recipe)
+    trainable = load_checkpoint(checkpoint).trainable
+    load_trainable(adapter, adapter.named_trainable_parameters(), trainable, recipe)
+    adapter.set_trainable("frozen")
+    return adapter
 
 
 def load_base(recipe: Recipe) -> Any:
@@ -289,11 +299,7 @@ def evaluate(
     ck: Path | None = None
     if kind == "run":
         ck = _checkpoint(target, checkpoint)
-        adapter = load_policy(r)
-        load_trainable(
-            adapter, adapter.named_trainable_parameters(), load_checkpoint(ck).trainable, r
-        )
-        adapter.set_trainable("frozen")
+        adapter = load_run_policy(r, ck)
     else:
         adapter = load_base(r)
     needs_images = bool(getattr(adapter, "needs_images", False))
