@@ -34,6 +34,7 @@ KEYS = {
     "per_prompt",
     "details",
     "per_task",
+    "diversity",
 }
 
 
@@ -67,6 +68,8 @@ def test_same_seed_same_json_grid_and_keys(
     assert [p["prompt"] for p in result["per_prompt"]] == ["a red square", "a blue circle"]
     scores = [s for p in result["per_prompt"] for s in p["scores"]]
     assert len(set(scores)) == 6  # distinct seeds, distinct images
+    assert [p["distinct"] for p in result["per_prompt"]] == [3, 3]
+    assert result["diversity"] > 0.5  # a random model: the seeds make the images
     assert result["mean"] == pytest.approx(np.mean(scores), abs=1e-9)
     assert result["per_prompt"][0]["mean"] == pytest.approx(np.mean(scores[:3]), abs=1e-9)
     assert result["stderr"] == pytest.approx(np.std(scores) / np.sqrt(6), abs=1e-9)

@@ -32,7 +32,11 @@ it to ``OUT/eval.json`` next to the labelled grid ``OUT/grid.png``):
     n, seed, num_steps, height, width, out (OUT),
     count                 images scored (prompts x n)
     mean, std, stderr     of the per-image rewards; stderr = std / sqrt(count)
-    per_prompt            [{prompt, mean, scores}] in file order
+    per_prompt            [{prompt, mean, scores, distinct}] in file order; distinct: how
+                          many of the prompt's n images differ (byte for byte)
+    diversity             the mean per-element std of a prompt's final latents over their std
+                          across all samples (`samples/diversity` of training): 0 = every
+                          prompt's samples collapsed into one image; null for n = 1
     details               {key: mean} of each numeric per-sample detail the reward reports
                           (`RewardOutput.details`, NaN = not applicable, skipped)
     per_task              {task: {mean, count}}: reward means per task type, when the reward
@@ -54,7 +58,7 @@ import yaml
 from .checkpoint import load_checkpoint, newest_good_checkpoint, verify_checkpoint
 from .data import read_data_file
 from .errors import TrainError
-from .loops.diffusion import media_fields, still_frames
+from .loops.diffusion import group_stats, media_fields, still_frames
 from .models import ensure_model, is_saved_model, load_policy, load_trainable, quiet_libraries
 from .plots import save_sample_grid
 from .recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict, unknown_name
@@ -366,7 +370,11 @@ def evaluate(
         "width": r.rollout.width,
         "out": str(dest),
         **summarize(prompts, scores, result.details or {}, n),
+        # collapse: 0 when each prompt's samples are one image, ~1 as varied as the batch
+        "diversity": group_stats(scores, n, trajs).get("samples/diversity") if n > 1 else None,
     }
+    for i, entry in enumerate(summary["per_prompt"]):
+        entry["distinct"] = len({m.tobytes() for m in media[i * n : (i + 1) * n]})
     dest.mkdir(parents=True, exist_ok=True)
     save_sample_grid(
         still_frames(media),
