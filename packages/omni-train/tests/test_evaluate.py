@@ -224,3 +224,52 @@ def test_eval_of_a_run_reproduces_its_validation(
     assert set(loaded) == set(exported)
     for k, v in exported.items():
         assert np.array_equal(loaded[k].float().numpy(), v.float().numpy()), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ema", "full"])
+def test_eval_of_ema_and_full_finetune_runs(kind: str, train_dict, tmp_path: Path, capsys) -> None:
+    """An EMA run is evaluated with its EMA weights (what its validation samples; the live
+    LoRA, `optimizer.ema_decay=0`, scores otherwise); a full fine-tuning run with its whole
+    trained component. Both reproduce the run's last validation."""
+    from omni_train.logger import read_metrics
+    from omni_train.recipe import recipe_from_dict
+    from omni_train.train import train
+
+    val = tmp_path / "val.txt"
+    val.write_text("a green field\na yellow sun\n")
+    sections: dict = {
+        "data": {"val_file": str(val)},
+        "trainer": {"steps": 2, "sample_every": 0, "val_every": 2},
+    }
+    if kind == "ema":
+        sections["optimizer"] = {"lr": 5e-2, "ema_decay": 0.5}
+    else:
+        sections["optimizer"] = {"lr": 1e-3}
+    d = train_dict(**sections)
+    if kind == "full":
+        d["lora"] = {"enabled": False}
+    train(recipe_from_dict(d))
+    capsys.readouterr()
+    run = Path(d["trainer"]["output_dir"])
+    first, *_, last = [r for r in read_metrics(run / "metrics.jsonl") if "val/reward_mean" in r]
+    assert abs(first["val/reward_mean"] - last["val/reward_mean"]) > 1e-6  # training moved it
+
+    rc, out, _ = _eval_cli(capsys, str(run), "--prompts", str(val))
+    assert rc == 0
+    result = json.loads(out)
+    assert result["mean"] == pytest.approx(last["val/reward_mean"], abs=1e-6)
+    if kind == "ema":
+        rc, out, _ = _eval_cli(
+            capsys,
+            str(run),
+            "--prompts",
+            str(val),
+            "--out",
+            str(tmp_path / "live"),
+            "optimizer.ema_decay=0",
+        )
+        assert rc == 0
+        live = [s for p in json.loads(out)["per_prompt"] for s in p["scores"]]
+        ema = [s for p in result["per_prompt"] for s in p["scores"]]
+        assert max(abs(a - b) for a, b in zip(live, ema)) > 1e-5
