@@ -67,7 +67,8 @@ from .seeds import DOMAIN_VAL, derive_seed
 
 __all__ = ["MAX_N", "eval_recipe", "evaluate", "load_base", "load_run_policy", "summarize"]
 
-#: samples per prompt at most: sample k of prompt i is index i * 1000 + k (the validation's)
+#: samples per prompt at most: sample k of prompt i has the index i * MAX_N + k, as in the
+#: training loop's validation (`DiffusionLoop.validate`: i * 1000 + k)
 MAX_N = 1000
 
 #: the detail key a reward reports its per-sample task type under (module docstring)
@@ -300,6 +301,8 @@ def evaluate(
     if r.trainer.threads:
         torch.set_num_threads(r.trainer.threads)
     quiet_libraries()
+    reward_key = "--reward" if reward is not None else "reward.name"
+    scorer = build_reward(r)  # before sampling: a reward that cannot load fails first
     ck: Path | None = None
     if kind == "run":
         ck = _checkpoint(target, checkpoint)
@@ -331,7 +334,7 @@ def evaluate(
             reqs.append(
                 RolloutRequest(
                     prompt=row.prompt,
-                    seed=derive_seed(seed, 0, i * 1000 + k, DOMAIN_VAL),
+                    seed=derive_seed(seed, 0, i * MAX_N + k, DOMAIN_VAL),  # the validation's
                     params=params,
                     request_id=f"eval-{len(reqs)}",
                     image=image,
@@ -350,11 +353,10 @@ def evaluate(
         fields.update(media_fields(media))
     if "latents" in r.reward.inputs:
         fields["latents"] = torch.stack([t.final_latent for t in trajs]).float().numpy()
-    scorer = build_reward(r)
     try:
         result = scorer(RewardInput(**fields))
-    except RewardError as exc:
-        raise TrainError(f"reward.name: {exc}") from None
+    except (RewardError, ValueError) as exc:  # e.g. a prompt the reward cannot parse
+        raise TrainError(f"{reward_key} {r.reward.name or 'terms'}: {exc}") from None
     scores = np.asarray(result.scores, dtype=np.float64)
 
     summary = {
