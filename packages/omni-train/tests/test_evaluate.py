@@ -155,7 +155,6 @@ def test_bad_arguments_name_the_argument(
     assert "did you mean 'brightness'?" in err
 
 
-@pytest.mark.slow
 def test_eval_of_a_run_reproduces_its_validation(
     train_dict, tiny_sd3: Path, tmp_path: Path, capsys
 ) -> None:
@@ -226,7 +225,6 @@ def test_eval_of_a_run_reproduces_its_validation(
         assert np.array_equal(loaded[k].float().numpy(), v.float().numpy()), k
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ema", "full"])
 def test_eval_of_ema_and_full_finetune_runs(kind: str, train_dict, tmp_path: Path, capsys) -> None:
     """An EMA run is evaluated with its EMA weights (what its validation samples; the live
