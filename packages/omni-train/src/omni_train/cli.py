@@ -5,6 +5,8 @@
     omni-train validate --memory RECIPE          ... and estimate its per-GPU memory
     omni-train resume RUN [--checkpoint N] [key=value ...]   continue RUN (latest checkpoint)
     omni-train export RUN --format diffusers|peft|merged [--out DIR]   the trained weights
+    omni-train eval RUN_OR_MODEL --prompts FILE [--reward NAME] [--n K] [--seed S] [--out DIR]
+                                             sample (ODE) and score; one JSON object on stdout
     omni-train report RUN                    write RUN/report.html (curves, sample grids)
     omni-train prepare NAME [--out DIR]      write a dataset (ocr, pickscore, video, edit, mmk12)
     omni-train recipes list|copy NAME [--to DIR]   the recipes that ship with omni-train
@@ -23,13 +25,15 @@ from .errors import TrainError
 from .recipe import RecipeError
 from .version import version_text
 
-COMMANDS = ("validate", "resume", "report", "prepare", "recipes", "export")
+COMMANDS = ("validate", "resume", "report", "prepare", "recipes", "export", "eval")
 
 USAGE = """omni-train RECIPE [key=value ...]
        omni-train validate RECIPE [key=value ...]
        omni-train validate --memory RECIPE [--published NAME] [--gpu-gib GIB]
        omni-train resume RUN [--checkpoint N] [key=value ...]
        omni-train export RUN --format diffusers|peft|merged [--out DIR] [--checkpoint N]
+       omni-train eval RUN_OR_MODEL --prompts FILE [--reward NAME] [--n K] [--seed S]
+                       [--out DIR] [--recipe R] [--checkpoint N] [key=value ...]
        omni-train report RUN
        omni-train prepare NAME [--out DIR]
        omni-train recipes list|copy NAME [--to DIR]
@@ -99,6 +103,54 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
             help="checkpoint/step_N (default: the latest)",
         )
         return p
+    elif cmd == "eval":
+        p = argparse.ArgumentParser(
+            prog="omni-train eval",
+            description="Sample K images per prompt deterministically (ODE) with a run's "
+            "trained policy (its newest verified checkpoint) or a base model, score them, "
+            "print one JSON object (mean, per-prompt and per-task means, count) and write it "
+            "with a labelled grid to --out.",
+        )
+        p.add_argument(
+            "target",
+            metavar="RUN_OR_MODEL",
+            help="a run folder (recipe.yaml + checkpoint/) or a saved model folder (no LoRA)",
+        )
+        p.add_argument(
+            "--prompts", required=True, metavar="FILE", help="prompts (.txt, .jsonl, .parquet)"
+        )
+        p.add_argument("--reward", default=None, metavar="NAME", help="instead of the recipe's")
+        p.add_argument(
+            "--n",
+            type=int,
+            default=None,
+            metavar="K",
+            help="images per prompt (default: the recipe's trainer.val_samples_per_prompt)",
+        )
+        p.add_argument(
+            "--seed", type=int, default=None, help="seed (default: the recipe's trainer.seed)"
+        )
+        p.add_argument(
+            "--out",
+            default=None,
+            metavar="DIR",
+            help="where eval.json and grid.png go (default RUN/eval/<FILE stem>, or "
+            "runs/eval/<model>-<FILE stem>)",
+        )
+        p.add_argument(
+            "--recipe",
+            default=None,
+            metavar="R",
+            help="a model folder: take rollout settings, dtype, device and reward from R",
+        )
+        p.add_argument(
+            "--checkpoint",
+            type=int,
+            default=None,
+            metavar="N",
+            help="a run: checkpoint/step_N instead of the newest",
+        )
+        p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     elif cmd == "prepare":
         p = argparse.ArgumentParser(
             prog="omni-train prepare",
@@ -128,7 +180,7 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
             # keeps the --version line whole (argparse wraps version text like a paragraph)
             formatter_class=argparse.RawDescriptionHelpFormatter,
             description="RL post-training from a YAML recipe. "
-            "Subcommands: validate, resume, report, prepare, recipes.",
+            "Subcommands: validate, resume, export, eval, report, prepare, recipes.",
         )
         p.add_argument("recipe", help="path to a recipe YAML")
         p.add_argument("--version", action="version", version=version_text())
@@ -145,7 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .recipes_cli import main as recipes_main
 
         return recipes_main(args_list[1:])
-    args = _parser(cmd).parse_args(args_list[1:] if cmd else args_list)
+    parser = _parser(cmd)
+    rest = args_list[1:] if cmd else args_list
+    # eval takes key=value overrides after its options too (`... --n 4 rollout.height=32`)
+    args = parser.parse_intermixed_args(rest) if cmd == "eval" else parser.parse_args(rest)
     run_dir: str | None = None
     try:
         if cmd == "validate":
@@ -183,6 +238,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .report import write_report
 
             print(f"wrote {write_report(args.run)}")
+            return 0
+        if cmd == "eval":
+            import contextlib
+            import json
+
+            from .evaluate import evaluate
+
+            with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON only
+                result = evaluate(
+                    args.target,
+                    args.prompts,
+                    reward=args.reward,
+                    n=args.n,
+                    seed=args.seed,
+                    out=args.out,
+                    recipe=args.recipe,
+                    checkpoint=args.checkpoint,
+                    overrides=args.overrides,
+                    progress=not args.no_progress,
+                )
+            print(json.dumps(result))
             return 0
         if cmd == "export":
             from .export import export_run
