@@ -85,6 +85,8 @@ def test_merged_rollout_equals_the_unmerged_policy(tiny_sd3):
     copied = [n for n, p in rollout.model.named_parameters() if id(p) not in own]
     assert copied and all(n.endswith(".weight") for n in copied)
     assert len(copied) == len(rollout.merged_layers)
+    extra = sum(p.numel() for n, p in rollout.model.named_parameters() if id(p) not in own)
+    assert extra == trainer.lora_base_params()  # what `omni-train validate --memory` counts
 
     ref = wave(trainer, reqs())
     got = wave(rollout, reqs())

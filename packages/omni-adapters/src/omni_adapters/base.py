@@ -864,6 +864,16 @@ class OmniModelBase:
                 "use the trainer's unmerged adapter"
             )
 
+    def lora_base_params(self, adapter_name: str | None = None) -> int:
+        """Elements of the base weights of the layers LoRA adapter ``adapter_name`` (default:
+        the trainable one) wraps: what a merged rollout copy holds a second time."""
+        name = adapter_name or self._trainable_adapter
+        return sum(
+            layer.get_base_layer().weight.numel()
+            for _, layer in _tuner_layers(self.model)
+            if name in getattr(layer, "lora_A", {})
+        )
+
     def merged_rollout_copy(self, adapter_name: str | None = None) -> OmniModelBase:
         """A rollout-only copy of this LoRA policy whose forwards run on merged weights.
 
