@@ -36,7 +36,8 @@ train split never saw, e.g., a red triangle, three triangles, or a circle above 
 
 The reward (`ShapesReward`, registered as ``shapes``) segments the image by nearest palette
 colour (within a tolerance), takes the connected components of each colour as objects, names
-each object's shape by the nearest prototype of its 3x3 occupancy grid, and scores 1 when the
+each object's shape by the nearest prototype of its shape features (box fill, corner fill,
+top/bottom fill, aspect ratio, solidity), and scores 1 when the
 objects are exactly those of the caption (shapes, count, colours, position), else 0, as
 GenEval scores. Its details give each part separately.
 """
@@ -450,26 +451,57 @@ def _components(mask: np.ndarray) -> list[np.ndarray]:
     return comps
 
 
+def _solidity(pix: np.ndarray) -> float:
+    """Pixel area / area of the convex hull of the pixels' corners (Andrew's monotone chain,
+    shoelace formula): 1 for convex shapes, 7/9 for the cross of `_draw_shape`."""
+    corners = (pix[:, None, :] + np.array([[0, 0], [0, 1], [1, 0], [1, 1]])[None]).reshape(-1, 2)
+    pts = sorted(set(map(tuple, corners.tolist())))
+
+    def half(points):
+        out: list[tuple[int, int]] = []
+        for p in points:
+            while len(out) >= 2:
+                (ax, ay), (bx, by) = out[-2], out[-1]
+                if (bx - ax) * (p[1] - ay) - (by - ay) * (p[0] - ax) > 0:
+                    break
+                out.pop()
+            out.append(p)
+        return out
+
+    hull = half(pts)[:-1] + half(pts[::-1])[:-1]
+    xs, ys = np.array(hull, dtype=np.float64).T
+    area = 0.5 * abs(np.dot(xs, np.roll(ys, 1)) - np.dot(ys, np.roll(xs, 1)))
+    return float(len(pix) / area) if area > 0 else 1.0
+
+
 def _descriptor(pix: np.ndarray) -> np.ndarray:
-    """Shape features of a component: the filled fraction of each cell of a 3x3 grid over its
-    bounding box (9 values) and the box's aspect ratio min(h, w) / max(h, w)."""
+    """Shape features of a component, each in [0, 1] and robust to a ragged outline: the
+    filled fraction of its bounding box, the mean fill of the box's four corner cells (3x3
+    grid), the fill of the top third and of the bottom third, the aspect ratio
+    min(h, w) / max(h, w), and twice the solidity (area / convex hull area; weighted double
+    because it alone tells a cross from a ragged circle). Square: all full; circle: corners
+    partly full; cross: corners empty and not convex; triangle (apex up): top third sparse,
+    bottom third full."""
     r0, c0 = pix.min(axis=0)
     h, w = pix.max(axis=0) - (r0, c0) + 1
     crop = np.zeros((h, w), dtype=np.float64)
     crop[pix[:, 0] - r0, pix[:, 1] - c0] = 1.0
-    cells = [c.mean() for rows in np.array_split(crop, 3, axis=0)
-             for c in np.array_split(rows, 3, axis=1) if c.size]  # fmt: skip
-    cells += [0.0] * (9 - len(cells))  # boxes under 3 pixels wide: too small to matter
-    return np.array([*cells, min(h, w) / max(h, w)])
+    rows = np.array_split(crop, 3, axis=0)
+    cells = [[c.mean() if c.size else 0.0 for c in np.array_split(r, 3, axis=1)] for r in rows]
+    corners = (cells[0][0] + cells[0][2] + cells[2][0] + cells[2][2]) / 4
+    top = rows[0].mean() if rows[0].size else 0.0
+    bottom = rows[2].mean() if rows[2].size else 0.0
+    aspect = min(h, w) / max(h, w)
+    return np.array([crop.mean(), corners, top, bottom, aspect, 2 * _solidity(pix)])
 
 
 @cache
 def _prototypes() -> dict[str, np.ndarray]:
-    """Mean descriptor of each shape drawn by `_draw_shape` at sides 8..16."""
+    """Mean descriptor of each shape drawn by `_draw_shape` at sides 6..16."""
     protos = {}
     for shape in SHAPES:
         descs = []
-        for s in range(8, 17):
+        for s in range(6, 17):
             img = Image.new("L", (s + 2, s + 2), 0)
             _draw_shape(ImageDraw.Draw(img), shape, 1, 1, s, 255)
             descs.append(_descriptor(np.argwhere(np.asarray(img) > 0)))
@@ -496,8 +528,8 @@ def detect_objects(
     Each pixel takes the nearest colour of `COLORS` plus `BACKGROUND` if it lies within
     ``tolerance`` (Euclidean RGB distance), else none. Each 4-connected region of one
     palette colour with at least ``min_area * H * W`` pixels is an object (smaller specks
-    are ignored); its shape is the `SHAPES` prototype nearest to its descriptor (3x3 grid
-    fill + aspect ratio), or None when that distance exceeds ``max_shape_distance``.
+    are ignored); its shape is the `SHAPES` prototype nearest to its descriptor (`_descriptor`:
+    box fill, corners, top/bottom thirds, aspect ratio, solidity), or None when that distance exceeds ``max_shape_distance``.
     """
     img = np.asarray(image, dtype=np.float64)[..., :3]
     names = [*COLORS, "background"]
