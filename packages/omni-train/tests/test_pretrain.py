@@ -78,6 +78,16 @@ def test_pretrain_writes_a_model_that_loads_and_samples(tmp_path: Path, capsys) 
     again = sample_images(adapter, ["a red circle", "three blue squares"], [5, 6], num_steps=2)
     assert np.array_equal(imgs, again)
 
+    # --evaluate: the held-out accuracy of a saved model, without training
+    ev_dir = tmp_path / "ev"
+    argv = ["pretrain", "shapes_sd3", *TINY, f"output_dir={ev_dir}", "--evaluate", str(a / "model")]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary == {**json.loads((a / "eval.json").read_text()), "model": str(a / "model")}
+    assert (ev_dir / "samples.png").is_file()
+    assert main(["pretrain", "shapes_sd3", "--evaluate", str(tmp_path / "none")]) == 2
+    assert "--evaluate" in capsys.readouterr().err
+
 
 def test_pretrain_config_errors_name_the_key(tmp_path: Path, capsys) -> None:
     assert main(["pretrain", "shapes_sd3", "train.stepz=3"]) == 2

@@ -9,6 +9,7 @@
     omni-train prepare NAME [--out DIR]      write a dataset (ocr, pickscore, video, edit, mmk12)
     omni-train recipes list|copy NAME [--to DIR]   the recipes that ship with omni-train
     omni-train pretrain CONFIG [key=value ...]   train the toy SD3 from scratch (shapes world)
+    omni-train pretrain CONFIG --evaluate MODEL  its held-out accuracy (shapes reward, ODE)
     omni-train --version
 
 Bad recipes and runs that cannot start print one clear message, never a stack trace.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .errors import TrainError
 from .recipe import RecipeError
@@ -34,7 +36,7 @@ USAGE = """omni-train RECIPE [key=value ...]
        omni-train report RUN
        omni-train prepare NAME [--out DIR]
        omni-train recipes list|copy NAME [--to DIR]
-       omni-train pretrain CONFIG [key=value ...]
+       omni-train pretrain CONFIG [--evaluate MODEL] [key=value ...]
        omni-train --version"""
 
 
@@ -125,7 +127,18 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
             "omni_adapters.from_pretrained), metrics.jsonl, loss_curve.png, samples.png, "
             "eval.json.",
         )
-        p.add_argument("recipe", metavar="config", help="pretrain YAML (recipes/pretrain/...)")
+        p.add_argument(
+            "recipe",
+            metavar="config",
+            help="pretrain YAML, or the name of a shipped one (shapes_sd3)",
+        )
+        p.add_argument(
+            "--evaluate",
+            default=None,
+            metavar="MODEL",
+            help="do not train: sample the config's held-out captions (sample.*) from the saved "
+            "MODEL, print the shapes-reward accuracy as JSON, write OUTPUT_DIR/samples.png",
+        )
     elif cmd == "report":
         p = argparse.ArgumentParser(
             prog="omni-train report", description="Write RUN/report.html: curves and samples."
@@ -194,6 +207,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .pretrain import load_pretrain_config, pretrain
 
             cfg = load_pretrain_config(args.recipe, args.overrides)
+            if args.evaluate is not None:
+                import json
+
+                from .pretrain import evaluate
+
+                if not Path(args.evaluate).is_dir():
+                    raise RecipeError(f"--evaluate: {args.evaluate} is not a model folder")
+                print(json.dumps(evaluate(args.evaluate, cfg.sample, cfg.output_dir)))
+                return 0
             model_dir = pretrain(cfg)
             print(f"wrote {model_dir}")
             ev = model_dir.parent / "eval.json"

@@ -50,6 +50,7 @@ __all__ = [
     "PretrainConfig",
     "build_toy_sd3",
     "check_model_spec",
+    "evaluate",
     "load_pretrain_config",
     "pretrain",
     "sample_images",
@@ -466,8 +467,6 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True) -> Path:
     from omni_adapters import adapter_for
     from omni_rewards import shapes
 
-    from .plots import save_sample_grid
-
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
@@ -523,29 +522,51 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True) -> Path:
         m.eval().requires_grad_(False)
     model_dir = save_toy_sd3(comps, out / "model")
     _plot_losses(rows, out / "loss_curve.png")
-    sp = cfg.sample
-    if sp.prompts:
-        prng = np.random.default_rng(sp.seed)
-        prompts = [
-            shapes.format_caption(shapes.sample_caption(prng, "heldout")) for _ in range(sp.prompts)
-        ]
-        summary, imgs, rows_p, scores = heldout_accuracy(
-            model_dir,
-            prompts,
-            per_prompt=sp.per_prompt,
-            seed=sp.seed,
-            num_steps=sp.num_steps,
-            guidance_scale=sp.guidance_scale,
-        )
-        (out / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
-        save_sample_grid(
-            imgs,
-            out / "samples.png",
-            cols=sp.per_prompt,
-            labels=["ok" if s else "x" for s in scores],
-            row_labels=rows_p[:: sp.per_prompt],
-        )
+    if cfg.sample.prompts:
+        evaluate(model_dir, cfg.sample, out)
     return model_dir
+
+
+def evaluate(
+    model_dir: str | Path,
+    sample: SampleStage,
+    out_dir: str | Path,
+    prompts: list[str] | None = None,
+) -> dict[str, Any]:
+    """Held-out accuracy of a saved model: ``sample.per_prompt`` ODE samples of each prompt
+    (default: ``sample.prompts`` held-out captions drawn with ``sample.seed``), scored by the
+    `shapes` reward. Writes ``out_dir/eval.json`` (the returned summary) and
+    ``out_dir/samples.png`` (one row per prompt, each image labelled ok / x)."""
+    from omni_rewards import shapes
+
+    from .plots import save_sample_grid
+
+    if prompts is None:
+        prng = np.random.default_rng(sample.seed)
+        prompts = [
+            shapes.format_caption(shapes.sample_caption(prng, "heldout"))
+            for _ in range(sample.prompts)
+        ]
+    summary, imgs, rows, scores = heldout_accuracy(
+        model_dir,
+        prompts,
+        per_prompt=sample.per_prompt,
+        seed=sample.seed,
+        num_steps=sample.num_steps,
+        guidance_scale=sample.guidance_scale,
+    )
+    summary["model"] = str(model_dir)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
+    save_sample_grid(
+        imgs,
+        out / "samples.png",
+        cols=sample.per_prompt,
+        labels=["ok" if s else "x" for s in scores],
+        row_labels=rows[:: sample.per_prompt],
+    )
+    return summary
 
 
 def describe(cfg: PretrainConfig) -> str:
