@@ -80,7 +80,7 @@ def test_pretrain_writes_a_model_that_loads_and_samples(tmp_path: Path, capsys) 
 
     # --evaluate: the held-out accuracy of a saved model, without training
     ev_dir = tmp_path / "ev"
-    argv = ["pretrain", "shapes_sd3", *TINY, f"output_dir={ev_dir}", "--evaluate", str(a / "model")]
+    argv = ["pretrain", "shapes_sd3", "--evaluate", str(a / "model"), *TINY, f"output_dir={ev_dir}"]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary == {**json.loads((a / "eval.json").read_text()), "model": str(a / "model")}

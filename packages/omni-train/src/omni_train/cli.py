@@ -169,7 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .recipes_cli import main as recipes_main
 
         return recipes_main(args_list[1:])
-    args = _parser(cmd).parse_args(args_list[1:] if cmd else args_list)
+    parser = _parser(cmd)
+    rest = args_list[1:] if cmd else args_list
+    # pretrain: options may come between the config and its key=value overrides
+    args = parser.parse_intermixed_args(rest) if cmd == "pretrain" else parser.parse_args(rest)
     run_dir: str | None = None
     try:
         if cmd == "validate":

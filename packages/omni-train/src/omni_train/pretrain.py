@@ -405,7 +405,9 @@ def heldout_accuracy(
 ) -> tuple[dict[str, Any], np.ndarray, list[str], np.ndarray]:
     """Sample ``per_prompt`` images of each prompt (seed ``seed + k``) from the saved model
     and score them with the `shapes` reward. Returns (summary, images, prompts of the rows,
-    scores); the summary has ``accuracy``, ``n`` and ``per_task`` (task type -> accuracy)."""
+    scores); the summary has ``accuracy``, ``n``, ``per_task`` (task type -> accuracy) and
+    ``per_part`` (count, object, colour, position: the mean of each part's 0/1 verdict, NaN
+    parts left out)."""
     import omni_adapters
     from omni_rewards import load_reward
     from omni_rewards.shapes import task_types
@@ -425,13 +427,18 @@ def heldout_accuracy(
             for i in range(0, len(rows), batch)
         ]
     )
-    scores = load_reward("shapes")(images=imgs, prompts=rows).scores
+    out = load_reward("shapes")(images=imgs, prompts=rows)
+    scores = out.scores
+    parts = {
+        k: float(np.nanmean(out.details[k])) for k in ("count", "object", "colour", "position")
+    }
     tasks = task_types(rows)
     per_task = {
         t: float(np.mean([s for s, tt in zip(scores, tasks) if tt == t]))
         for t in sorted(set(tasks))
     }
-    summary = {"accuracy": float(scores.mean()), "n": len(rows), "per_task": per_task}
+    summary = {"accuracy": float(scores.mean()), "n": len(rows), "per_task": per_task,
+               "per_part": parts}  # fmt: skip
     return summary, imgs, rows, scores
 
 
