@@ -31,7 +31,6 @@ the held-out accuracy in ``eval.json``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .errors import NonFiniteError
 from .recipe import RecipeError, apply_overrides
 
 __all__ = [
@@ -481,12 +481,14 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True) -> Path:
         raise RecipeError(f"output_dir: {out} already holds a model/; choose another folder")
     out.mkdir(parents=True, exist_ok=True)
     (out / "pretrain.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    metrics = (out / "metrics.jsonl").open("w")
     rows: list[dict[str, Any]] = []
 
-    def log(row: dict[str, Any]) -> None:
+    def log(row: dict[str, Any]) -> None:  # line by line, so a stopped run keeps its rows
         rows.append(row)
-        metrics.write(json.dumps(row) + "\n")
+        with (out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    (out / "metrics.jsonl").write_text("")
 
     comps = build_toy_sd3(cfg.model, shapes.vocabulary(), cfg.seed)
     t0 = time.time()
@@ -507,7 +509,10 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True) -> Path:
         caps, x = _world_batch(rng, cfg.split, st.batch_size, cfg.model.image_size, step * 1000)
         loss = _flow_loss(adapter, x, caps, cfg, gen)
         if not torch.isfinite(loss):
-            raise RecipeError(f"train.lr: the flow loss is {float(loss)} at step {step + 1}")
+            raise NonFiniteError(
+                f"flow loss is {loss.item()} at step {step + 1}; lower train.lr or raise "
+                "train.warmup_steps"
+            )
         lr = _lr_at(step, st)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -524,7 +529,6 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True) -> Path:
             save_toy_sd3(comps, out / "checkpoints" / f"step_{step + 1}")
             for m in trainable:
                 m.train()
-    metrics.close()
     for m in trainable:
         m.eval().requires_grad_(False)
     model_dir = save_toy_sd3(comps, out / "model")
@@ -574,18 +578,3 @@ def evaluate(
         row_labels=rows[:: sample.per_prompt],
     )
     return summary
-
-
-def describe(cfg: PretrainConfig) -> str:
-    """One line: the parameter counts of what `build_toy_sd3` makes."""
-    from omni_rewards import shapes
-
-    comps = build_toy_sd3(cfg.model, shapes.vocabulary(), cfg.seed)
-    counts = {
-        k: sum(p.numel() for p in v.parameters())
-        for k, v in comps.items()
-        if isinstance(v, torch.nn.Module)
-    }
-    return ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in counts.items()) + (
-        f"; total {sum(counts.values()) / 1e6:.2f}M ({math.fsum(counts.values()) * 4 / 2**20:.1f} MiB fp32)"
-    )
