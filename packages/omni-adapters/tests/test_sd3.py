@@ -209,3 +209,20 @@ def test_load_options_dtype_strip_checkpointing(tiny_path):
     assert any(q.grad is not None for q in a.trainable_parameters())
     with pytest.raises(ValueError, match="trainable component"):
         omni_adapters.from_pretrained(tiny_path("sd3"), strip=["transformer"])
+
+
+def test_word_tokenizers_make_each_word_one_token():
+    """The word-level CLIP (BPE merges learned on the words) and T5 (Unigram pieces)
+    tokenizers of the toy SD3: every word is one token, other text still tokenizes."""
+    from omni_adapters.tokenizers_tiny import clip_word_tokenizer, t5_word_tokenizer
+
+    words = ["a", "and", "red", "green", "circle", "circles", "triangle", "left", "of", "cross"]
+    clip, t5 = clip_word_tokenizer(words, 12), t5_word_tokenizer(words, 12)
+    for w in words:
+        assert clip.tokenize(w) == [w + "</w>"]
+        assert t5.tokenize(w) == ["▁" + w]
+    text = "a red circle left of a green triangle"
+    ids = clip(text, padding="max_length", max_length=12).input_ids
+    assert len(ids) == 12 and ids[0] == clip.bos_token_id and ids[9] == clip.eos_token_id
+    assert len(clip.tokenize("blue")) == 4  # not a word of the list: one token per character
+    assert len(t5.tokenize(text)) == 8

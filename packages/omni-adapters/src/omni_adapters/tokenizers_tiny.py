@@ -7,9 +7,18 @@ BPE, T5/UMT5's Unigram, Qwen2's byte-level BPE. Prompts tokenize character by ch
 
 from __future__ import annotations
 
+import itertools
 import string
 
-__all__ = ["CHARS", "QWEN_SPECIALS", "clip_tokenizer", "qwen2_tokenizer", "t5_tokenizer"]
+__all__ = [
+    "CHARS",
+    "QWEN_SPECIALS",
+    "clip_tokenizer",
+    "clip_word_tokenizer",
+    "qwen2_tokenizer",
+    "t5_tokenizer",
+    "t5_word_tokenizer",
+]
 
 #: printable ASCII without whitespace: byte-level BPE maps these bytes to themselves
 CHARS = [c for c in string.printable if not c.isspace()]
@@ -34,6 +43,69 @@ def clip_tokenizer(max_length: int = 16, pad_token: str = "<|endoftext|>"):
         model_max_length=max_length,
     )
     return tok
+
+
+def _learn_word_merges(words: list[str]) -> list[tuple[str, str]]:
+    """BPE training (Sennrich et al. 2016) on ``words`` (each once, ``</w>`` on its last
+    character) until every word is one symbol: repeatedly merge the most frequent adjacent
+    pair (ties: the first seen). Encoding a training word with these merges, lowest rank
+    first, replays its training merges, so each word becomes a single token."""
+    seqs = [[*w[:-1], w[-1] + "</w>"] for w in dict.fromkeys(words) if w]
+    merges: list[tuple[str, str]] = []
+    while any(len(s) > 1 for s in seqs):
+        counts: dict[tuple[str, str], int] = {}
+        for s in seqs:
+            for pair in itertools.pairwise(s):
+                counts[pair] = counts.get(pair, 0) + 1
+        best = max(counts, key=counts.__getitem__)  # dicts keep first-seen order on ties
+        merges.append(best)
+        for k, s in enumerate(seqs):
+            out, i = [], 0
+            while i < len(s):
+                if i + 1 < len(s) and (s[i], s[i + 1]) == best:
+                    out.append(s[i] + s[i + 1])
+                    i += 2
+                else:
+                    out.append(s[i])
+                    i += 1
+            seqs[k] = out
+    return merges
+
+
+def clip_word_tokenizer(words: list[str], max_length: int = 16):
+    """A ``CLIPTokenizer`` in which each of ``words`` (lower-case letters) is one token: the
+    ASCII characters of `clip_tokenizer` plus BPE merges learned on ``words``; other text
+    still tokenizes (character by character). Pads with ``<|endoftext|>``."""
+    from transformers import CLIPTokenizer
+
+    vocab: dict[str, int] = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in CHARS:
+        for piece in (c, c + "</w>"):
+            vocab.setdefault(piece, len(vocab))
+    merges = _learn_word_merges(list(words))
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    return CLIPTokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=max_length,
+    )
+
+
+def t5_word_tokenizer(words: list[str], max_length: int = 16):
+    """A ``T5Tokenizer`` (Unigram) in which each of ``words`` is one piece (``▁word``, scored
+    above any split into characters); other text falls back to characters."""
+    from transformers import T5Tokenizer
+
+    vocab: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    for c in CHARS:
+        vocab.append((c, -3.0))
+        vocab.append(("▁" + c, -3.5))
+    known = {v for v, _ in vocab}
+    vocab += [("▁" + w, -1.0) for w in dict.fromkeys(words) if "▁" + w not in known]
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
 
 
 def t5_tokenizer(max_length: int = 16, extra_ids: int = 0, cls_name: str = "T5Tokenizer"):

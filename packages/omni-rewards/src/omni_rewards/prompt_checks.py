@@ -19,7 +19,7 @@ __all__ = ["PROMPT_CHECKS", "check_prompts", "register_prompt_check"]
 PROMPT_CHECKS: dict[str, Callable[[str, dict[str, Any]], str | None]] = {}
 
 #: modules whose import registers the checks of lazily loaded rewards
-_CHECK_MODULES = {"ocr": ".ocr"}
+_CHECK_MODULES = {"ocr": ".ocr", "shapes": ".shapes"}
 
 
 def register_prompt_check(

@@ -60,6 +60,7 @@ _BUILTIN_LAZY = {
     "choice": (".math", "ChoiceReward"),
     "vlm_judge": (".vlm_judge", "VLMJudgeReward"),
     "http": (".http", "HTTPReward"),
+    "shapes": (".shapes", "ShapesReward"),
 }
 for _name, (_mod, _attr) in _BUILTIN_LAZY.items():
     REWARDS.setdefault(_name, _lazy(_mod, _attr))

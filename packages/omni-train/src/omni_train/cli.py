@@ -10,6 +10,8 @@
     omni-train report RUN                    write RUN/report.html (curves, sample grids)
     omni-train prepare NAME [--out DIR]      write a dataset (ocr, pickscore, video, edit, mmk12)
     omni-train recipes list|copy NAME [--to DIR]   the recipes that ship with omni-train
+    omni-train pretrain CONFIG [key=value ...]   train the toy SD3 from scratch (shapes world)
+    omni-train pretrain CONFIG --evaluate MODEL  its held-out accuracy (shapes reward, ODE)
     omni-train --version
 
 Bad recipes and runs that cannot start print one clear message, never a stack trace.
@@ -20,12 +22,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .errors import TrainError
 from .recipe import RecipeError
 from .version import version_text
 
-COMMANDS = ("validate", "resume", "report", "prepare", "recipes", "export", "eval")
+COMMANDS = ("validate", "resume", "report", "prepare", "recipes", "export", "eval", "pretrain")
 
 USAGE = """omni-train RECIPE [key=value ...]
        omni-train validate RECIPE [key=value ...]
@@ -37,6 +40,7 @@ USAGE = """omni-train RECIPE [key=value ...]
        omni-train report RUN
        omni-train prepare NAME [--out DIR]
        omni-train recipes list|copy NAME [--to DIR]
+       omni-train pretrain CONFIG [--evaluate MODEL] [key=value ...]
        omni-train --version"""
 
 
@@ -167,6 +171,26 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
             "--count", type=int, default=None, help="edit, mmk12: generated items (512, 256)"
         )
         return p
+    elif cmd == "pretrain":
+        p = argparse.ArgumentParser(
+            prog="omni-train pretrain",
+            description="Train a toy SD3 from scratch by flow matching on the shapes world "
+            "(omni_train.pretrain); writes OUTPUT_DIR/model (loads with "
+            "omni_adapters.from_pretrained), metrics.jsonl, loss_curve.png, samples.png, "
+            "eval.json.",
+        )
+        p.add_argument(
+            "recipe",
+            metavar="config",
+            help="pretrain YAML, or the name of a shipped one (shapes_sd3)",
+        )
+        p.add_argument(
+            "--evaluate",
+            default=None,
+            metavar="MODEL",
+            help="do not train: sample the config's held-out captions (sample.*) from the saved "
+            "MODEL, print the shapes-reward accuracy as JSON, write OUTPUT_DIR/samples.png",
+        )
     elif cmd == "report":
         p = argparse.ArgumentParser(
             prog="omni-train report", description="Write RUN/report.html: curves and samples."
@@ -180,7 +204,7 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
             # keeps the --version line whole (argparse wraps version text like a paragraph)
             formatter_class=argparse.RawDescriptionHelpFormatter,
             description="RL post-training from a YAML recipe. "
-            "Subcommands: validate, resume, export, eval, report, prepare, recipes.",
+            "Subcommands: validate, resume, export, eval, report, prepare, recipes, pretrain.",
         )
         p.add_argument("recipe", help="path to a recipe YAML")
         p.add_argument("--version", action="version", version=version_text())
@@ -199,8 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return recipes_main(args_list[1:])
     parser = _parser(cmd)
     rest = args_list[1:] if cmd else args_list
-    # eval takes key=value overrides after its options too (`... --n 4 rollout.height=32`)
-    args = parser.parse_intermixed_args(rest) if cmd == "eval" else parser.parse_args(rest)
+    # eval and pretrain take key=value overrides after their options too
+    # (`... --n 4 rollout.height=32`)
+    intermixed = cmd in ("eval", "pretrain")
+    args = parser.parse_intermixed_args(rest) if intermixed else parser.parse_args(rest)
     run_dir: str | None = None
     try:
         if cmd == "validate":
@@ -233,6 +259,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             for split, path in paths.items():
                 n = sum(1 for _ in path.open())
                 print(f"wrote {path} ({n} {split} prompts)")
+            return 0
+        if cmd == "pretrain":
+            from .pretrain import load_pretrain_config, pretrain
+
+            cfg = load_pretrain_config(args.recipe, args.overrides)
+            if args.evaluate is not None:
+                import json
+
+                from .pretrain import evaluate
+
+                if not Path(args.evaluate).is_dir():
+                    raise RecipeError(f"--evaluate: {args.evaluate} is not a model folder")
+                print(json.dumps(evaluate(args.evaluate, cfg.sample, cfg.output_dir)))
+                return 0
+            model_dir = pretrain(cfg)
+            print(f"wrote {model_dir}")
+            ev = model_dir.parent / "eval.json"
+            if ev.is_file():
+                print(f"held-out accuracy (shapes reward, ODE): {ev.read_text().strip()}")
             return 0
         if cmd == "report":
             from .report import write_report

@@ -1,0 +1,658 @@
+"""A synthetic captioned world of coloured shapes, and the ``shapes`` reward that checks it.
+
+The world is small enough for a text-to-image model trained from scratch on two CPU cores, and
+its captions follow the task types of GenEval (Ghosh et al. 2023, "GenEval: An Object-Focused
+Framework for Evaluating Text-to-Image Alignment"): single object, two objects, counting,
+colours, position and colour attribution. Everything here needs only numpy and Pillow.
+
+Grammar (words separated by single spaces, lower case)::
+
+    caption  := single | two | position | counting
+    single   := "a" object                         "a circle", "a red circle"
+    two      := "a" object "and a" object          "a red circle and a blue square"
+    position := "a" object relation "a" object     "a red circle left of a blue square"
+    counting := number [colour] plural             "three triangles", "two green crosses"
+    object   := [colour] shape
+    colour   := red | green | blue | yellow | black                    (`COLORS`)
+    shape    := circle | square | triangle | cross                     (`SHAPES`)
+    plural   := circles | squares | triangles | crosses
+    number   := two | three | four                                     (`NUMBERS`)
+    relation := "left of" | "right of" | "above" | "below"             (`RELATIONS`)
+
+The two objects of ``two`` and ``position`` have different shapes. An object without a colour
+may be drawn in any colour. The task type (`TASKS`) follows from the form: ``single`` is
+``single_object`` without a colour and ``colors`` with one; ``two`` is ``color_attr`` when both
+objects have a colour and ``two_object`` otherwise; ``counting``; ``position``.
+
+An image shows exactly the objects its caption names, on a white background, each object a
+flat palette colour, no two objects touching (`render`). "A left of B" means the centroid of A
+is left of B's and the horizontal offset is larger than the vertical one (GenEval also judges
+position from the objects' centres); above/below likewise.
+
+Splits by composition (`split_of`): a caption is held out when it names a colour-shape pair of
+`HELD_OUT_PAIRS`, counts a shape as in `HELD_OUT_COUNTS`, or relates two shapes as in
+`HELD_OUT_RELATIONS`; every other caption is in the train split. So a model trained on the
+train split never saw, e.g., a red triangle, three triangles, or a circle above a square.
+
+The reward (`ShapesReward`, registered as ``shapes``) segments the image by nearest palette
+colour (within a tolerance), takes the connected components of each colour as objects, names
+each object's shape by the nearest prototype of its shape features (box fill, corner fill,
+top/bottom fill, aspect ratio, solidity), and scores 1 when the
+objects are exactly those of the caption (shapes, count, colours, position), else 0, as
+GenEval scores. Its details give each part separately.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from .base import Reward
+from .prompt_checks import register_prompt_check
+from .types import RewardInput, RewardInputError, RewardOutput
+
+__all__ = [
+    "BACKGROUND",
+    "COLORS",
+    "HELD_OUT_COUNTS",
+    "HELD_OUT_PAIRS",
+    "HELD_OUT_RELATIONS",
+    "NUMBERS",
+    "RELATIONS",
+    "SHAPES",
+    "TASKS",
+    "Caption",
+    "CaptionError",
+    "DetectedObject",
+    "ObjectSpec",
+    "ShapesReward",
+    "all_captions",
+    "check_image",
+    "detect_objects",
+    "format_caption",
+    "parse_caption",
+    "render",
+    "sample_caption",
+    "split_of",
+    "task_types",
+    "vocabulary",
+    "write_splits",
+]
+
+#: palette (sRGB); pairwise distances are at least 140, so a tolerance of 60 is unambiguous
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (30, 160, 40),
+    "blue": (30, 60, 220),
+    "yellow": (235, 205, 25),
+    "black": (20, 20, 20),
+}
+BACKGROUND: tuple[int, int, int] = (255, 255, 255)
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "cross")
+PLURALS: dict[str, str] = {"circle": "circles", "square": "squares", "triangle": "triangles",
+                           "cross": "crosses"}  # fmt: skip
+NUMBERS: dict[str, int] = {"two": 2, "three": 3, "four": 4}
+RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
+TASKS: tuple[str, ...] = (
+    "single_object",
+    "two_object",
+    "counting",
+    "colors",
+    "position",
+    "color_attr",
+)
+
+#: colour-shape pairs no train caption names (each colour and shape at most once)
+HELD_OUT_PAIRS: frozenset[tuple[str, str]] = frozenset(
+    {("red", "triangle"), ("green", "circle"), ("blue", "cross"), ("yellow", "square")}
+)
+#: (count, shape) combinations no train caption asks for
+HELD_OUT_COUNTS: frozenset[tuple[int, str]] = frozenset(
+    {(2, "cross"), (3, "triangle"), (4, "square")}
+)
+#: (shape A, relation, shape B) of "a A relation a B" that no train caption uses
+HELD_OUT_RELATIONS: frozenset[tuple[str, str, str]] = frozenset(
+    {
+        ("circle", "above", "square"),
+        ("triangle", "left of", "cross"),
+        ("square", "below", "triangle"),
+        ("cross", "right of", "circle"),
+    }
+)
+
+
+class CaptionError(RewardInputError):
+    """A caption outside the grammar (the message names the caption and the problem)."""
+
+
+@dataclass(frozen=True)
+class ObjectSpec:
+    """One object of a caption: its shape and its colour (None: any colour)."""
+
+    shape: str
+    color: str | None = None
+
+
+@dataclass(frozen=True)
+class Caption:
+    """A parsed caption: the objects (one spec per object, so counting repeats it), the
+    relation between objects[0] and objects[1] for position captions, and the task type."""
+
+    objects: tuple[ObjectSpec, ...]
+    relation: str | None
+    task: str
+    form: str  # single | two | position | counting
+
+
+# ------------------------------------------------------------------ grammar
+def _object_words(spec: ObjectSpec) -> str:
+    return spec.shape if spec.color is None else f"{spec.color} {spec.shape}"
+
+
+def format_caption(caption: Caption) -> str:
+    """The caption's text (the inverse of `parse_caption`)."""
+    objs = caption.objects
+    if caption.form == "single":
+        return f"a {_object_words(objs[0])}"
+    if caption.form == "two":
+        return f"a {_object_words(objs[0])} and a {_object_words(objs[1])}"
+    if caption.form == "position":
+        return f"a {_object_words(objs[0])} {caption.relation} a {_object_words(objs[1])}"
+    number = {v: k for k, v in NUMBERS.items()}[len(objs)]
+    color = "" if objs[0].color is None else f"{objs[0].color} "
+    return f"{number} {color}{PLURALS[objs[0].shape]}"
+
+
+def _make(form: str, objects: Sequence[ObjectSpec], relation: str | None = None) -> Caption:
+    if form == "single":
+        task = "single_object" if objects[0].color is None else "colors"
+    elif form == "two":
+        task = "color_attr" if all(o.color is not None for o in objects) else "two_object"
+    else:
+        task = form
+    return Caption(tuple(objects), relation, task, form)
+
+
+def _parse_object(words: list[str], prompt: str) -> tuple[ObjectSpec, list[str]]:
+    """``[colour] shape`` at the front of ``words``; returns the spec and the rest."""
+    color = None
+    if words and words[0] in COLORS:
+        color, words = words[0], words[1:]
+    if not words or words[0] not in SHAPES:
+        got = words[0] if words else "the end of the caption"
+        raise CaptionError(
+            f"caption {prompt!r}: expected a shape ({', '.join(SHAPES)}), got {got!r}"
+        )
+    return ObjectSpec(words[0], color), words[1:]
+
+
+def parse_caption(prompt: str) -> Caption:
+    """Parse a caption of the grammar (module docstring); `CaptionError` names the caption
+    and what was wrong. Case and surrounding/multiple spaces are ignored."""
+    if not isinstance(prompt, str):
+        raise CaptionError(f"caption {prompt!r}: expected a string, got {type(prompt).__name__}")
+    words = prompt.lower().split()
+    if not words:
+        raise CaptionError(f"caption {prompt!r}: empty")
+    if words[0] in NUMBERS:  # counting
+        n, rest = NUMBERS[words[0]], words[1:]
+        color = None
+        if rest and rest[0] in COLORS:
+            color, rest = rest[0], rest[1:]
+        singular = {v: k for k, v in PLURALS.items()}
+        if len(rest) != 1 or rest[0] not in singular:
+            raise CaptionError(
+                f"caption {prompt!r}: a counting caption is 'NUMBER [COLOUR] PLURAL' with "
+                f"PLURAL one of {', '.join(PLURALS.values())}"
+            )
+        return _make("counting", [ObjectSpec(singular[rest[0]], color)] * n)
+    if words[0] != "a":
+        raise CaptionError(
+            f"caption {prompt!r}: must start with 'a' or a number ({', '.join(NUMBERS)})"
+        )
+    first, rest = _parse_object(words[1:], prompt)
+    if not rest:
+        return _make("single", [first])
+    joined = " ".join(rest)
+    for form, lead in [("two", "and")] + [("position", r) for r in RELATIONS]:
+        if joined.startswith(lead + " a "):
+            tail = rest[len(lead.split()) + 1 :]
+            second, extra = _parse_object(tail, prompt)
+            if extra:
+                raise CaptionError(f"caption {prompt!r}: unexpected words {' '.join(extra)!r}")
+            if second.shape == first.shape:
+                raise CaptionError(
+                    f"caption {prompt!r}: the two objects must have different shapes"
+                )
+            return _make(form, [first, second], None if form == "two" else lead)
+    raise CaptionError(
+        f"caption {prompt!r}: after the first object expected 'and a' or a relation "
+        f"({', '.join(RELATIONS)}) followed by 'a', got {joined!r}"
+    )
+
+
+def vocabulary() -> list[str]:
+    """Every word the grammar uses (for a word-level tokenizer), in a fixed order."""
+    words = ["a", "and", "of", *NUMBERS, *COLORS, *SHAPES, *PLURALS.values()]
+    for r in RELATIONS:
+        words += [w for w in r.split() if w not in words]
+    return list(dict.fromkeys(words))
+
+
+def _object_specs() -> list[ObjectSpec]:
+    return [ObjectSpec(s, c) for c in (None, *COLORS) for s in SHAPES]
+
+
+def all_captions() -> list[Caption]:
+    """Every caption of the grammar (2256), in a fixed order."""
+    out = [_make("single", [o]) for o in _object_specs()]
+    pairs = [(a, b) for a in _object_specs() for b in _object_specs() if a.shape != b.shape]
+    out += [_make("two", [a, b]) for a, b in pairs]
+    out += [_make("position", [a, b], r) for r in RELATIONS for a, b in pairs]
+    out += [
+        _make("counting", [ObjectSpec(s, c)] * n)
+        for n in NUMBERS.values()
+        for c in (None, *COLORS)
+        for s in SHAPES
+    ]
+    return out
+
+
+def split_of(caption: Caption | str) -> str:
+    """``"heldout"`` when the caption uses a held-out composition (module docstring), else
+    ``"train"``."""
+    cap = parse_caption(caption) if isinstance(caption, str) else caption
+    if any((o.color, o.shape) in HELD_OUT_PAIRS for o in cap.objects):
+        return "heldout"
+    if cap.form == "counting" and (len(cap.objects), cap.objects[0].shape) in HELD_OUT_COUNTS:
+        return "heldout"
+    if cap.form == "position":
+        triple = (cap.objects[0].shape, cap.relation, cap.objects[1].shape)
+        if triple in HELD_OUT_RELATIONS:
+            return "heldout"
+    return "train"
+
+
+@cache
+def _captions_by_task(split: str) -> dict[str, list[Caption]]:
+    by_task: dict[str, list[Caption]] = {}
+    for cap in all_captions():
+        if split_of(cap) == split:
+            by_task.setdefault(cap.task, []).append(cap)
+    return by_task
+
+
+def sample_caption(rng: np.random.Generator, split: str = "train") -> Caption:
+    """A caption of ``split``: a task type uniformly (among those the split has), then a
+    caption of that type uniformly."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split: expected 'train' or 'heldout', got {split!r}")
+    by_task = _captions_by_task(split)
+    tasks = sorted(by_task)
+    caps = by_task[tasks[int(rng.integers(len(tasks)))]]
+    return caps[int(rng.integers(len(caps)))]
+
+
+def write_splits(out_dir: str | Path, per_task: int = 32, seed: int = 0) -> dict[str, Path]:
+    """Write ``train.txt`` and ``heldout.txt`` under ``out_dir``: one caption per line (the
+    ``.txt`` prompt format of ``data.file`` / ``data.val_file``), at most ``per_task``
+    captions of each task type drawn without replacement with ``seed``, grouped by task type
+    in `TASKS` order. Returns {split: path}."""
+    rng = np.random.default_rng(seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split in ("train", "heldout"):
+        by_task = _captions_by_task(split)
+        lines = []
+        for task in TASKS:
+            caps = by_task.get(task, [])
+            pick = rng.permutation(len(caps))[:per_task]
+            lines += [format_caption(caps[i]) for i in sorted(pick)]
+        paths[split] = out / f"{split}.txt"
+        paths[split].write_text("\n".join(lines) + "\n")
+    return paths
+
+
+# ------------------------------------------------------------------ renderer
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, x: int, y: int, s: int, rgb) -> None:
+    """Draw ``shape`` filling the box (x, y, x + s - 1, y + s - 1), no anti-aliasing."""
+    x1, y1 = x + s - 1, y + s - 1
+    if shape == "square":
+        draw.rectangle((x, y, x1, y1), fill=rgb)
+    elif shape == "circle":
+        draw.ellipse((x, y, x1, y1), fill=rgb)
+    elif shape == "triangle":  # apex up, base along the bottom
+        draw.polygon([((x + x1) / 2, y), (x1, y1), (x, y1)], fill=rgb)
+    elif shape == "cross":  # a plus sign, arms a third of the size wide
+        arm = max(1, round(s / 3))
+        lo = x + (s - arm) // 2
+        draw.rectangle((lo, y, lo + arm - 1, y1), fill=rgb)
+        lo = y + (s - arm) // 2
+        draw.rectangle((x, lo, x1, lo + arm - 1), fill=rgb)
+    else:  # pragma: no cover - parse_caption admits only SHAPES
+        raise ValueError(f"shape: unknown shape {shape!r}")
+
+
+def _relation_holds(relation: str, a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether centroid ``a`` is ``relation`` centroid ``b`` (x right, y down): the offset
+    along the relation's axis has the right sign and is larger than the other offset."""
+    dx, dy = b[0] - a[0], b[1] - a[1]
+    if relation == "left of":
+        return dx > abs(dy)
+    if relation == "right of":
+        return -dx > abs(dy)
+    if relation == "above":
+        return dy > abs(dx)
+    if relation == "below":
+        return -dy > abs(dx)
+    raise ValueError(f"relation: unknown relation {relation!r}")  # pragma: no cover
+
+
+def render(caption: Caption | str, seed: int, size: int = 32) -> Image.Image:
+    """A ``size`` x ``size`` RGB image that satisfies ``caption``, the same for the same
+    (caption, seed, size).
+
+    Each object is a flat palette colour (a random one when the caption gives none) in a
+    square box of side ``[0.25, 0.4] size`` (``[0.25, 0.32] size`` for three or more
+    objects); boxes keep 2 pixels apart and 1 from the border, and a position caption's
+    centres are placed so the relation holds with a margin (``|along| >= |across| + s/2``).
+    """
+    cap = parse_caption(caption) if isinstance(caption, str) else caption
+    if int(size) < 16:
+        raise ValueError(f"size: at least 16 pixels, got {size}")
+    size = int(size)
+    rng = np.random.default_rng(seed)
+    n = len(cap.objects)
+    lo = max(5, round(0.25 * size))
+    hi = max(lo, round((0.32 if n >= 3 else 0.4) * size))
+    for _ in range(2000):
+        sides = [int(rng.integers(lo, hi + 1)) for _ in range(n)]
+        boxes = []
+        for s in sides:
+            x = int(rng.integers(1, size - s))
+            y = int(rng.integers(1, size - s))
+            boxes.append((x, y, s))
+        if not _boxes_apart(boxes, gap=2):
+            continue
+        if cap.relation is not None:
+            (xa, ya, sa), (xb, yb, sb) = boxes
+            a, b = (xa + sa / 2, ya + sa / 2), (xb + sb / 2, yb + sb / 2)
+            along = _relation_margin(cap.relation, a, b)
+            if along < min(sa, sb) / 2:
+                continue
+        break
+    else:  # pragma: no cover - 2000 draws always find a placement at size >= 16
+        raise RuntimeError(f"render: no placement for {format_caption(cap)!r} at size {size}")
+    colors = [o.color or list(COLORS)[int(rng.integers(len(COLORS)))] for o in cap.objects]
+    img = Image.new("RGB", (size, size), BACKGROUND)
+    draw = ImageDraw.Draw(img)
+    for obj, color, (x, y, s) in zip(cap.objects, colors, boxes):
+        _draw_shape(draw, obj.shape, x, y, s, COLORS[color])
+    return img
+
+
+def _boxes_apart(boxes: list[tuple[int, int, int]], gap: int) -> bool:
+    for (x1, y1, s1), (x2, y2, s2) in itertools.combinations(boxes, 2):
+        if x1 < x2 + s2 + gap and x2 < x1 + s1 + gap and y1 < y2 + s2 + gap and y2 < y1 + s1 + gap:
+            return False
+    return True
+
+
+def _relation_margin(relation: str, a: tuple[float, float], b: tuple[float, float]) -> float:
+    """Offset along the relation's axis minus the offset across it (> 0: relation holds)."""
+    dx, dy = b[0] - a[0], b[1] - a[1]
+    along, across = {
+        "left of": (dx, dy),
+        "right of": (-dx, dy),
+        "above": (dy, dx),
+        "below": (-dy, dx),
+    }[relation]
+    return along - abs(across)
+
+
+# ------------------------------------------------------------------ detector
+@dataclass(frozen=True)
+class DetectedObject:
+    """A connected region of one palette colour: its colour, shape (None: no shape matched),
+    centroid (x, y) in pixels and area in pixels."""
+
+    color: str
+    shape: str | None
+    centroid: tuple[float, float]
+    area: int
+
+
+def _components(mask: np.ndarray) -> list[np.ndarray]:
+    """4-connected components of a boolean mask, each as an (N, 2) array of (row, col)."""
+    h, w = mask.shape
+    seen = np.zeros_like(mask, dtype=bool)
+    comps = []
+    for r0, c0 in zip(*np.nonzero(mask)):
+        if seen[r0, c0]:
+            continue
+        seen[r0, c0] = True
+        stack, pix = [(int(r0), int(c0))], []
+        while stack:
+            r, c = stack.pop()
+            pix.append((r, c))
+            for rr, cc in ((r - 1, c), (r + 1, c), (r, c - 1), (r, c + 1)):
+                if 0 <= rr < h and 0 <= cc < w and mask[rr, cc] and not seen[rr, cc]:
+                    seen[rr, cc] = True
+                    stack.append((rr, cc))
+        comps.append(np.array(pix))
+    return comps
+
+
+def _solidity(pix: np.ndarray) -> float:
+    """Pixel area / area of the convex hull of the pixels' corners (Andrew's monotone chain,
+    shoelace formula): 1 for convex shapes, 7/9 for the cross of `_draw_shape`."""
+    corners = (pix[:, None, :] + np.array([[0, 0], [0, 1], [1, 0], [1, 1]])[None]).reshape(-1, 2)
+    pts = sorted(set(map(tuple, corners.tolist())))
+
+    def half(points):
+        out: list[tuple[int, int]] = []
+        for p in points:
+            while len(out) >= 2:
+                (ax, ay), (bx, by) = out[-2], out[-1]
+                if (bx - ax) * (p[1] - ay) - (by - ay) * (p[0] - ax) > 0:
+                    break
+                out.pop()
+            out.append(p)
+        return out
+
+    hull = half(pts)[:-1] + half(pts[::-1])[:-1]
+    xs, ys = np.array(hull, dtype=np.float64).T
+    area = 0.5 * abs(np.dot(xs, np.roll(ys, 1)) - np.dot(ys, np.roll(xs, 1)))
+    return float(len(pix) / area) if area > 0 else 1.0
+
+
+def _descriptor(pix: np.ndarray) -> np.ndarray:
+    """Shape features of a component, each in [0, 1] and robust to a ragged outline: the
+    filled fraction of its bounding box, the mean fill of the box's four corner cells (3x3
+    grid), the fill of the top third and of the bottom third, the aspect ratio
+    min(h, w) / max(h, w), and twice the solidity (area / convex hull area; weighted double
+    because it alone tells a cross from a ragged circle). Square: all full; circle: corners
+    partly full; cross: corners empty and not convex; triangle (apex up): top third sparse,
+    bottom third full."""
+    r0, c0 = pix.min(axis=0)
+    h, w = pix.max(axis=0) - (r0, c0) + 1
+    crop = np.zeros((h, w), dtype=np.float64)
+    crop[pix[:, 0] - r0, pix[:, 1] - c0] = 1.0
+    rows = np.array_split(crop, 3, axis=0)
+    cells = [[c.mean() if c.size else 0.0 for c in np.array_split(r, 3, axis=1)] for r in rows]
+    corners = (cells[0][0] + cells[0][2] + cells[2][0] + cells[2][2]) / 4
+    top = rows[0].mean() if rows[0].size else 0.0
+    bottom = rows[2].mean() if rows[2].size else 0.0
+    aspect = min(h, w) / max(h, w)
+    return np.array([crop.mean(), corners, top, bottom, aspect, 2 * _solidity(pix)])
+
+
+@cache
+def _prototypes() -> dict[str, np.ndarray]:
+    """Mean descriptor of each shape drawn by `_draw_shape` at sides 6..16."""
+    protos = {}
+    for shape in SHAPES:
+        descs = []
+        for s in range(6, 17):
+            img = Image.new("L", (s + 2, s + 2), 0)
+            _draw_shape(ImageDraw.Draw(img), shape, 1, 1, s, 255)
+            descs.append(_descriptor(np.argwhere(np.asarray(img) > 0)))
+        protos[shape] = np.mean(descs, axis=0)
+    return protos
+
+
+def _classify(pix: np.ndarray, max_distance: float) -> str | None:
+    d = _descriptor(pix)
+    dist = {s: float(np.linalg.norm(d - p)) for s, p in _prototypes().items()}
+    best = min(dist, key=dist.__getitem__)
+    return best if dist[best] <= max_distance else None
+
+
+def detect_objects(
+    image: np.ndarray,
+    *,
+    tolerance: float = 60.0,
+    min_area: float = 0.012,
+    max_shape_distance: float = 0.6,
+) -> list[DetectedObject]:
+    """The objects in a uint8 (H, W, 3) image.
+
+    Each pixel takes the nearest colour of `COLORS` plus `BACKGROUND` if it lies within
+    ``tolerance`` (Euclidean RGB distance), else none. Each 4-connected region of one
+    palette colour with at least ``min_area * H * W`` pixels is an object (smaller specks
+    are ignored); its shape is the `SHAPES` prototype nearest to its descriptor (`_descriptor`:
+    box fill, corners, top/bottom thirds, aspect ratio, solidity), or None when that distance exceeds ``max_shape_distance``.
+    """
+    img = np.asarray(image, dtype=np.float64)[..., :3]
+    names = [*COLORS, "background"]
+    table = np.array([*COLORS.values(), BACKGROUND], dtype=np.float64)
+    dist = np.linalg.norm(img[:, :, None, :] - table[None, None], axis=-1)
+    nearest = dist.argmin(axis=-1)
+    valid = dist.min(axis=-1) <= tolerance
+    floor = max(1, int(np.ceil(min_area * img.shape[0] * img.shape[1])))
+    objects = []
+    for k, name in enumerate(names[:-1]):
+        for pix in _components(valid & (nearest == k)):
+            if len(pix) < floor:
+                continue
+            cy, cx = pix.mean(axis=0)
+            shape = _classify(pix, max_shape_distance)
+            objects.append(DetectedObject(name, shape, (float(cx), float(cy)), len(pix)))
+    return objects
+
+
+def check_image(caption: Caption | str, objects: Sequence[DetectedObject]) -> dict[str, float]:
+    """GenEval-style verdict of detected objects against a caption: a dict of 0/1 parts
+    ``count`` (as many objects as named), ``object`` (the named shapes, as a multiset),
+    ``colour`` (each named shape in its named colour; NaN when the caption names no colour),
+    ``position`` (the relation between the two objects' centroids; NaN unless a position
+    caption) and ``correct`` (all applicable parts)."""
+    cap = parse_caption(caption) if isinstance(caption, str) else caption
+    want_shapes = Counter(o.shape for o in cap.objects)
+    got_shapes = Counter(o.shape for o in objects)
+    count = float(len(objects) == len(cap.objects))
+    obj = float(got_shapes == want_shapes)
+    colour = float("nan")
+    if any(o.color is not None for o in cap.objects):
+        ok = obj == 1.0
+        for spec in set(cap.objects):
+            if spec.color is not None:
+                ok = ok and all(d.color == spec.color for d in objects if d.shape == spec.shape)
+        colour = float(ok)
+    position = float("nan")
+    if cap.relation is not None:
+        position = 0.0
+        if obj == 1.0 and count == 1.0:
+            a = next(d for d in objects if d.shape == cap.objects[0].shape)
+            b = next(d for d in objects if d.shape == cap.objects[1].shape)
+            position = float(_relation_holds(cap.relation, a.centroid, b.centroid))
+    parts = [count, obj, colour, position]
+    correct = float(all(p == 1.0 for p in parts if not np.isnan(p)))
+    return {"count": count, "object": obj, "colour": colour, "position": position,
+            "correct": correct}  # fmt: skip
+
+
+# ------------------------------------------------------------------ reward
+@register_prompt_check("shapes")
+def _caption_in_grammar(prompt: str, options: dict) -> str | None:
+    try:
+        parse_caption(prompt)
+    except CaptionError as e:
+        return str(e)
+    return None
+
+
+class ShapesReward(Reward):
+    """score = 1 if the image shows exactly the caption's objects (shapes, count, colours,
+    position), else 0 (`check_image` on `detect_objects`). Inputs: ``images`` and
+    ``prompts`` in the grammar of this module; a prompt outside it raises `CaptionError`
+    naming the prompt and its index.
+
+    ``details``: ``count``, ``object``, ``colour``, ``position`` (0/1 per part, NaN where
+    the caption has no such part), ``n_objects`` (objects detected), and ``task_<type>`` for
+    each of `TASKS` (the score for prompts of that type, NaN for the others, so a mean over
+    the batch that ignores NaN is the per-task accuracy).
+    """
+
+    name = "shapes"
+
+    def __init__(
+        self,
+        *,
+        tolerance: float = 60.0,
+        min_area: float = 0.012,
+        max_shape_distance: float = 0.6,
+        batch_size: int | None = None,
+        workers: int = 1,
+    ) -> None:
+        super().__init__(batch_size=batch_size, workers=workers)
+        for key, v in (("tolerance", tolerance), ("min_area", min_area),
+                       ("max_shape_distance", max_shape_distance)):  # fmt: skip
+            if not float(v) > 0:
+                raise ValueError(f"{key}: must be > 0, got {v}")
+        self.tolerance = float(tolerance)
+        self.min_area = float(min_area)
+        self.max_shape_distance = float(max_shape_distance)
+
+    def score_batch(self, inp: RewardInput) -> RewardOutput:
+        images = inp.image_list(self.name)
+        prompts = inp.prompt_list(self.name)
+        caps = []
+        for i, p in enumerate(prompts):
+            try:
+                caps.append(parse_caption(p))
+            except CaptionError as e:
+                raise CaptionError(f"{self.name}: prompts[{i}]: {e}") from None
+        rows = []
+        for img, cap in zip(images, caps):
+            objects = detect_objects(
+                img,
+                tolerance=self.tolerance,
+                min_area=self.min_area,
+                max_shape_distance=self.max_shape_distance,
+            )
+            rows.append((check_image(cap, objects), len(objects)))
+        scores = np.array([r["correct"] for r, _ in rows], dtype=np.float32)
+        details = {
+            k: np.array([r[k] for r, _ in rows], dtype=np.float32)
+            for k in ("count", "object", "colour", "position")
+        }
+        details["n_objects"] = np.array([n for _, n in rows], dtype=np.float32)
+        for task in TASKS:
+            details[f"task_{task}"] = np.array(
+                [s if c.task == task else np.nan for s, c in zip(scores, caps)], dtype=np.float32
+            )
+        return RewardOutput(scores, details)
+
+
+def task_types(prompts: Iterable[str]) -> list[str]:
+    """The task type (`TASKS`) of each prompt."""
+    return [parse_caption(p).task for p in prompts]
