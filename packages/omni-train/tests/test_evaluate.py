@@ -14,6 +14,7 @@ from omni_train.cli import main
 from omni_train.evaluate import evaluate, summarize
 
 #: a tiny SD3 at 32x32 in 4 steps (the model folder has no recipe: these are flags)
+REPO = Path(__file__).resolve().parents[3]
 SMALL = ["rollout.height=32", "rollout.width=32", "rollout.num_steps=4"]
 KEYS = {
     "target",
@@ -100,14 +101,35 @@ def test_reward_details_are_averaged(tiny_sd3: Path, prompt_file: Path, tmp_path
     assert result["per_task"] == {}
 
 
+def test_shapes_reward_per_task(tiny_sd3: Path, tmp_path: Path) -> None:
+    """The shapes reward's per-task details reach eval's per_task, one entry per task type
+    of the prompts (held-out prompts of the shapes world)."""
+    from omni_rewards.shapes import task_types
+
+    lines = (REPO / "recipes" / "data" / "shapes" / "heldout.txt").read_text().splitlines()
+    prompts = [p for p in lines if p.strip()][:: max(1, len(lines) // 6)][:6]
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(prompts) + "\n")
+    result = evaluate(
+        tiny_sd3, f, reward="shapes", n=1, out=tmp_path / "o", overrides=SMALL, progress=False
+    )
+    types = task_types(prompts)
+    assert set(result["per_task"]) == set(types)
+    assert sum(v["count"] for v in result["per_task"].values()) == len(prompts)
+    assert {"count", "object", "colour", "position"} <= set(result["details"])
+
+
 def test_summarize_task_types_and_nan_details() -> None:
-    """Per-task means from a string `task` detail (also a MultiReward term's `x/task`);
-    NaN details (not applicable to a sample) are left out of their mean."""
+    """Per-task means from `task_<type>` details (NaN where a sample is of another type; also
+    a MultiReward term's `x/task_<type>`); NaN details are left out of their mean."""
     scores = np.array([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    nan = np.nan
     details = {
-        "shapes/task": np.array(["counting", "counting", "position", "colors", "colors", "colors"]),
-        "count_ok": np.array([1.0, 0.0, np.nan, np.nan, np.nan, np.nan]),
-        "never": np.full(6, np.nan),
+        "shapes/task_counting": np.array([1.0, 0.0, nan, nan, nan, nan]),
+        "shapes/task_position": np.array([nan, nan, 1.0, nan, nan, nan]),
+        "task_colors": np.array([nan, nan, nan, 1.0, 0.0, 0.0]),
+        "count_ok": np.array([1.0, 0.0, nan, nan, nan, nan]),
+        "never": np.full(6, nan),
         "rgb": np.zeros((6, 3)),
     }
     s = summarize(["a", "b", "c"], scores, details, n=2)
@@ -116,7 +138,7 @@ def test_summarize_task_types_and_nan_details() -> None:
         "counting": {"mean": 0.5, "count": 2},
         "position": {"mean": 1.0, "count": 1},
     }
-    assert s["details"] == {"count_ok": 0.5, "never": None}
+    assert s["details"]["count_ok"] == 0.5 and s["details"]["never"] is None
     assert [p["mean"] for p in s["per_prompt"]] == [0.5, 1.0, 0.0]
     assert s["count"] == 6 and s["mean"] == 0.5
 

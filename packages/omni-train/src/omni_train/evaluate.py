@@ -39,9 +39,11 @@ it to ``OUT/eval.json`` next to the labelled grid ``OUT/grid.png``):
                           prompt's samples collapsed into one image; null for n = 1
     details               {key: mean} of each numeric per-sample detail the reward reports
                           (`RewardOutput.details`, NaN = not applicable, skipped)
-    per_task              {task: {mean, count}}: reward means per task type, when the reward
-                          reports a string per sample in ``details["task"]`` (or a
-                          ``details["<term>/task"]`` of a `MultiReward` term); else {}
+    per_task              {task: {mean, count}}: the reward per task type, when the reward
+                          reports ``details["task_<type>"]`` (its score where the sample is
+                          of that type, NaN elsewhere; the `shapes` reward does, and training
+                          logs the same keys as ``reward/task_<type>``), or a `MultiReward`
+                          term's ``"<term>/task_<type>"``; else {}
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ __all__ = ["MAX_N", "eval_recipe", "evaluate", "load_base", "load_run_policy", "
 #: training loop's validation (`DiffusionLoop.validate`: i * 1000 + k)
 MAX_N = 1000
 
-#: the detail key a reward reports its per-sample task type under (module docstring)
-TASK_KEY = "task"
+#: the prefix of the detail keys a reward reports its per-task scores under (module docstring)
+TASK_PREFIX = "task_"
 
 
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:
@@ -236,18 +238,17 @@ def summarize(
         arr = np.asarray(value)
         if arr.ndim != 1 or len(arr) != count:
             continue  # e.g. color_match's (B, 3) target colours
-        if np.issubdtype(arr.dtype, np.number) or arr.dtype == bool:
-            vals = arr.astype(np.float64)
-            finite = vals[np.isfinite(vals)]
-            out["details"][key] = float(finite.mean()) if finite.size else None
-        elif (key == TASK_KEY or key.endswith("/" + TASK_KEY)) and not out["per_task"]:
-            tasks = [str(t) for t in arr.tolist()]
-            for task in sorted(set(tasks)):
-                mask = np.array([t == task for t in tasks])
-                out["per_task"][task] = {
-                    "mean": _nan_to_none(float(scores[mask].mean())),
-                    "count": int(mask.sum()),
-                }
+        if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
+            continue
+        vals = arr.astype(np.float64)
+        finite = vals[np.isfinite(vals)]
+        out["details"][key] = float(finite.mean()) if finite.size else None
+        task = key.rsplit("/", 1)[-1]
+        if task.startswith(TASK_PREFIX) and finite.size:
+            out["per_task"][task.removeprefix(TASK_PREFIX)] = {
+                "mean": float(finite.mean()),
+                "count": int(finite.size),
+            }
     return out
 
 
