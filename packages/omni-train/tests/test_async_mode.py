@@ -114,3 +114,35 @@ def test_async_on_ray_overlaps(ray_session, tmp_path, tiny_sd3):
     r = recipe(tmp_path, tiny_sd3, backend="ray", num_workers=1)
     rows, spans = _timed_run(r, tmp_path)
     _check(rows, spans)
+
+
+def test_async_rollout_and_update_split_the_threads(tmp_path, tiny_sd3):
+    """trainer.threads 2, async: the prefetch thread's waves run on 1 torch thread and the
+    update beside them on the other, never 2 + 2 on the cores (PrefetchRollout)."""
+    import threading
+
+    import torch
+
+    r = recipe(tmp_path, tiny_sd3, threads=2)
+    ports = make_ports(r)
+    seen: dict[str, list] = {"rollout": [], "update": []}
+
+    def counted(kind, fn):
+        def wrapper(*args, **kwargs):
+            seen[kind].append((threading.current_thread().name, torch.get_num_threads()))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    ports.rollout.generate_many = counted("rollout", ports.rollout.generate_many)
+    ports.learner.update = counted("update", ports.learner.update)
+    try:
+        rows = DiffusionLoop(r, ports, tmp_path / "run").train()
+    finally:
+        ports.close()
+    assert all(np.isfinite(row["loss"]) for row in rows)
+    assert seen["rollout"] and {n for _, n in seen["rollout"]} == {1}
+    assert all(name.startswith("rollout-prefetch") for name, _ in seen["rollout"])
+    # updates 0 and 1 ran beside the next rollout: 1 thread; the last one had none in flight
+    assert [n for _, n in seen["update"]] == [1, 1, 2]
+    assert torch.get_num_threads() == 2  # close() gave the caller its threads back

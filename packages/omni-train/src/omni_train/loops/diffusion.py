@@ -393,9 +393,13 @@ class DiffusionLoop:
                 )
             if start == 0:
                 self.run.log_baseline(self.validate(0))
-        # scores waves while the next ones roll out (reward.overlap); one thread keeps the
-        # reward's own order and thread use as they are
-        self.reward_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
+        # scores waves while the next ones roll out in this thread (reward.overlap); one
+        # thread keeps the reward's own order. Its torch ops run on one thread: a second
+        # OpenMP team beside the rollout's would stop libgomp's spin-waiting in both
+        # (diffusion_rollout.EmbeddedEngine, docs/performance.md)
+        self.reward_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="reward", initializer=torch.set_num_threads, initargs=(1,)
+        )
         try:
             for step in range(start, t.steps):
                 rows.append(self.train_step(step, rollout))
