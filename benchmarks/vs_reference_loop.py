@@ -16,16 +16,19 @@ timesteps, one optimizer step per RL step, brightness reward:
   accumulated into one optimizer step. The code is ours; the formulas are the paper's
   (Flow-GRPO, Liu et al. 2025, eq. 9 and the clipped ratio objective).
 
-Each side runs in its OWN process (`--child`), repeats interleaved (ours, ref, ref, ours,
-...); a child trains ``--warmup`` + ``--steps`` RL steps and reports the median of the
+``--sides ours,reference,ours-thread`` adds ours with the waves in the engine's scheduler
+thread, as the engine ran them before (the thread penalty, docs/performance.md).
+
+Each side runs in its OWN process (`--child`), repeats interleaved in rotating order; a child trains ``--warmup`` + ``--steps`` RL steps and reports the median of the
 measured steps per phase (rollout, reward, update, step), plus the time inside the model
 (transformer, VAE decoder, text encoders forwards, and ``backward``). The parent prints
-the median over repeats, the ratios reference / ours (> 1: ours is faster) and the share
-of our step spent outside the model. Load average before and after is printed: the machine
+the median over repeats, the ratios other / ours (> 1: ours is faster) and the share
+of each step spent outside the model. Load average before and after is printed: the machine
 may be shared.
 
     uv run python benchmarks/vs_reference_loop.py                          # tiny + cpu
     uv run python benchmarks/vs_reference_loop.py --models tiny,cpu,cpu-large --repeats 3
+    uv run python benchmarks/vs_reference_loop.py --models tiny --sides ours,ours-thread
 """
 
 from __future__ import annotations
@@ -168,6 +171,8 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
         }
     )
     ports = make_ports(recipe)
+    if a.child == "ours-thread":
+        scheduler_thread_waves(ports.rollout)
     comps = ports.learner.adapter.components
     timer = ModelTimer(model_modules(comps))
     loop = DiffusionLoop(recipe, ports, tmp / "run")
@@ -197,6 +202,28 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
         }
         for r in rows
     ]
+
+
+def scheduler_thread_waves(engine) -> None:
+    """The engine as it was before waves ran in the caller's thread: `generate_many` queues
+    the requests for the engine's scheduler thread and waits (``on_ready`` per finished wave),
+    while the update runs in the main thread: two OpenMP thread teams in one process."""
+    import concurrent.futures
+
+    def generate_many(requests, *, progress=False, on_ready=None):
+        futs = engine.submit_many(requests)
+        pending = set(range(len(futs)))
+        while pending:
+            concurrent.futures.wait(
+                [futs[i] for i in pending], return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            ready = sorted(i for i in pending if futs[i].done())
+            pending.difference_update(ready)
+            if on_ready is not None:
+                on_ready(ready, [futs[i].result() for i in ready])
+        return [f.result() for f in futs]
+
+    engine.generate_many = generate_many
 
 
 def model_modules(comps: dict) -> list:
@@ -354,10 +381,11 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
 
 # --------------------------------------------------------------------------- driver
 PHASES = ("rollout", "reward", "update", "step", "model")
+SIDES = ("ours", "reference", "ours-thread")
 
 
 def child(a: argparse.Namespace) -> None:
-    rows = (run_ours if a.child == "ours" else run_reference)(a)
+    rows = (run_reference if a.child == "reference" else run_ours)(a)
     kept = rows[a.warmup :]
     print(json.dumps({k: statistics.median(r[k] for r in kept) for k in PHASES}))
 
@@ -385,7 +413,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="measured RL steps per child")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved child pairs")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    ap.add_argument("--child", choices=("ours", "reference"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--sides",
+        default="ours,reference",
+        help="of: ours, reference, ours-thread (ours with the waves in the engine's scheduler "
+        "thread, as before: the thread penalty)",
+    )
+    ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -395,15 +429,19 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         ap.error(f"--models: unknown {unknown} (known: {', '.join(MODELS)})")
+    sides = [x.strip() for x in a.sides.split(",") if x.strip()]
+    if "ours" not in sides or set(sides) - set(SIDES):
+        ap.error(f"--sides: 'ours' and any of {', '.join(SIDES)}")
+    others = [x for x in sides if x != "ours"]
     load0 = os.getloadavg()
     results = {}
     with tempfile.TemporaryDirectory(prefix="vsref-") as tmp:
         paths = build_models(Path(tmp), names)
         for name in names:
-            got: dict[str, list[dict[str, float]]] = {"ours": [], "reference": []}
+            got: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
             for rep in range(a.repeats):
-                order = ("ours", "reference") if rep % 2 == 0 else ("reference", "ours")
-                for side in order:
+                k = rep % len(sides)  # rotate the order every repeat
+                for side in sides[k:] + sides[:k]:
                     got[side].append(spawn(side, paths[name], a))
             results[name] = {
                 side: {k: statistics.median(r[k] for r in runs) for k in PHASES}
@@ -414,23 +452,29 @@ def main(argv: list[str] | None = None) -> int:
         f"N={a.prompts * a.n} ({a.prompts} prompts x {a.n}), {a.num_steps} steps, "
         f"{a.num_steps - 1} trained timesteps, {a.size}x{a.size}, batch {a.batch}, LoRA r{RANK}; "
         f"threads {a.threads or 'default'}, {os.cpu_count()} CPUs; median of {a.repeats} "
-        f"interleaved process pairs x {a.steps} steps; load average "
+        f"interleaved process rounds x {a.steps} steps; load average "
         f"{load0[0]:.1f} before, {load1[0]:.1f} after"
     )
     print()
-    print(
-        "| model | phase | ours s | reference s | reference / ours |\n|---|---|---|---|---|",
-    )
+    head = " | ".join(f"{x} s | {x} / ours" for x in others)
+    print(f"| model | phase | ours s | {head} |")
+    print("|---|---|---|" + "---|---|" * len(others))
     for name, res in results.items():
-        o, r = res["ours"], res["reference"]
+        o = res["ours"]
         for ph in ("rollout", "reward", "update", "step"):
-            ratio = r[ph] / o[ph] if o[ph] > 0 else float("inf")
-            print(f"| {name} | {ph} | {o[ph]:.3f} | {r[ph]:.3f} | {ratio:.2f}x |")
+            cells = []
+            for x in others:
+                ratio = res[x][ph] / o[ph] if o[ph] > 0 else float("inf")
+                cells.append(f"{res[x][ph]:.3f} | {ratio:.2f}x")
+            print(f"| {name} | {ph} | {o[ph]:.3f} | {' | '.join(cells)} |")
     print()
-    print("| model | ours: share of step outside the model | reference: same |\n|---|---|---|")
+    print("Share of the step outside model forwards/backward (transformer, VAE decoder, text")
+    print("encoders):")
+    print()
+    print("| model | " + " | ".join(sides) + " |\n|---|" + "---|" * len(sides))
     for name, res in results.items():
-        o, r = res["ours"], res["reference"]
-        print(f"| {name} | {1 - o['model'] / o['step']:.0%} | {1 - r['model'] / r['step']:.0%} |")
+        shares = [f"{1 - res[x]['model'] / res[x]['step']:.0%}" for x in sides]
+        print(f"| {name} | " + " | ".join(shares) + " |")
     return 0
 
 
