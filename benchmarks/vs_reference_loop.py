@@ -198,6 +198,7 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
             "update": r["timing/update_s"],
             "step": r["timing/step_s"],
             "model": r["model_s"],
+            "threads": r["perf/torch_threads"],
             "reward_mean": r["reward/mean"],
         }
         for r in rows
@@ -373,6 +374,7 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
                 "update": t3 - t2,
                 "step": t3 - t0,
                 "model": timer.seconds - model0,
+                "threads": torch.get_num_threads(),
                 "reward_mean": float(rewards.mean()),
             }
         )
@@ -380,7 +382,7 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
 
 
 # --------------------------------------------------------------------------- driver
-PHASES = ("rollout", "reward", "update", "step", "model")
+PHASES = ("rollout", "reward", "update", "step", "model", "threads")
 SIDES = ("ours", "reference", "ours-thread")
 
 
@@ -412,7 +414,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured RL steps per child")
     ap.add_argument("--steps", type=int, default=3, help="measured RL steps per child")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved child pairs")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads of every side (0: each side's default: ours trainer.threads null, "
+        "the reference torch's default)",
+    )
     ap.add_argument(
         "--sides",
         default="ours,reference",
@@ -475,6 +483,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, res in results.items():
         shares = [f"{1 - res[x]['model'] / res[x]['step']:.0%}" for x in sides]
         print(f"| {name} | " + " | ".join(shares) + " |")
+    print()
+    print(
+        "torch threads (median): "
+        + "; ".join(
+            f"{name}: " + ", ".join(f"{x} {res[x]['threads']:g}" for x in sides)
+            for name, res in results.items()
+        )
+    )
     return 0
 
 

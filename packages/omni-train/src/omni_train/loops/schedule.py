@@ -20,6 +20,8 @@ off-policy: the loop weights them with `trainer.async_correction` (`omni_algos.c
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +30,14 @@ import torch
 
 from ..errors import TrainError
 
-__all__ = ["PrefetchRollout", "SyncRollout", "launchable", "staleness_stats"]
+__all__ = [
+    "CoreShare",
+    "PrefetchRollout",
+    "SyncRollout",
+    "free_cores",
+    "launchable",
+    "staleness_stats",
+]
 
 
 def launchable(next_step: int, version: int, max_staleness: int, total_steps: int) -> bool:
@@ -182,3 +191,46 @@ class PrefetchRollout:
             item.future.cancel()
         self.pool.shutdown(wait=True)
         torch.set_num_threads(self.threads)
+
+
+def free_cores(load: float, own: float, cores: int) -> int:
+    """Cores the other processes leave free: ``cores - max(0, load - own)``, rounded, in
+    ``[1, cores]``. ``load``: the 1-minute load average (runnable threads, ours included);
+    ``own``: this process's CPU seconds per second over the same stretch."""
+    others = max(0.0, load - own)
+    return max(1, min(cores, int(cores - others + 0.5)))
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class CoreShare:
+    """`trainer.threads: null` on a CPU, in the synchronous loop: before each step the
+    torch threads become `free_cores` of the machine (docs/performance.md).
+
+    With more busy threads than cores, an OpenMP team's workers spin on cores that other
+    processes want, and each small op waits for a worker that is not running: on 2 cores
+    at load 6-9 a tiny FlowGRPO step took 120 s with 2 torch threads and 1.5 s with 1
+    (`benchmarks/vs_reference_loop.py --threads 1`). On a quiet machine every core stays in.
+    """
+
+    def __init__(self) -> None:
+        self.cores = _cores()
+        self.threads = torch.get_num_threads()
+        self._t = time.monotonic()
+        self._cpu = time.process_time()
+
+    def update(self) -> int:
+        """Set and return this thread's torch threads for the next step."""
+        t, cpu = time.monotonic(), time.process_time()
+        own = (cpu - self._cpu) / max(t - self._t, 1e-3)
+        self._t, self._cpu = t, cpu
+        n = free_cores(os.getloadavg()[0], own, self.cores)
+        if n != self.threads:
+            torch.set_num_threads(n)
+            self.threads = n
+        return n
