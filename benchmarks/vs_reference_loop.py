@@ -291,6 +291,8 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
     vae = pipe.vae
     c = 16  # SD3 latent channels
     lat_hw = a.size // pipe.vae_scale_factor
+    # the T5 tokens ours uses (omni_adapters' SD3 t5_max_length): equal sequence lengths
+    t5_len = min(256, int(pipe.tokenizer_3.model_max_length))
 
     def velocity(x, t, emb, pooled):
         return tr(
@@ -311,7 +313,11 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
             for k in range(0, N, B):
                 batch = prompts[k : k + B]
                 emb, _, pooled, _ = pipe.encode_prompt(
-                    batch, batch, batch, do_classifier_free_guidance=False
+                    batch,
+                    batch,
+                    batch,
+                    do_classifier_free_guidance=False,
+                    max_sequence_length=t5_len,
                 )
                 g = torch.Generator().manual_seed(step * 100_000 + k)
                 x = torch.randn(len(batch), c, lat_hw, lat_hw, generator=g)
