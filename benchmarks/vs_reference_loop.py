@@ -34,6 +34,7 @@ may be shared.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -113,10 +114,12 @@ class ModelTimer:
         import torch
 
         self.seconds = 0.0
+        self.rows = 0  # transformer rows (batch entries) forwarded: the equal-work check
         self._t0: dict[int, float] = {}
         for m in modules:
             m.register_forward_pre_hook(self._pre)
             m.register_forward_hook(self._post)
+        modules[0].register_forward_pre_hook(self._count, with_kwargs=True)
         backward = torch.Tensor.backward
 
         def timed_backward(tensor, *args, **kwargs):
@@ -127,6 +130,10 @@ class ModelTimer:
                 self.seconds += time.perf_counter() - t0
 
         torch.Tensor.backward = timed_backward
+
+    def _count(self, module, args, kwargs) -> None:
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        self.rows += int(x.shape[0])
 
     def _pre(self, module, args) -> None:
         self._t0[id(module)] = time.perf_counter()
@@ -171,6 +178,9 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
         }
     )
     ports = make_ports(recipe)
+    if not a.kl_metric:  # monitoring the reference loop does not do (see --kl-metric)
+        ctx = ports.learner.ctx
+        ctx.settings = dataclasses.replace(ctx.settings, measure_kl_ref=False)
     if a.child == "ours-thread":
         scheduler_thread_waves(ports.rollout)
     comps = ports.learner.adapter.components
@@ -181,8 +191,10 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
 
     def marked(*args, **kwargs):
         marks.append(timer.seconds)
+        rows0 = timer.rows
         row = step(*args, **kwargs)
         row["model_s"] = timer.seconds - marks[-1]
+        row["transformer_rows"] = timer.rows - rows0
         return row
 
     loop.train_step = marked
@@ -196,9 +208,11 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
             "rollout": r["timing/rollout_s"],
             "reward": r["timing/reward_s"],
             "update": r["timing/update_s"],
-            "step": r["timing/step_s"],
+            # the three phases: timing/step_s also holds the final checkpoint's save
+            "step": r["timing/rollout_s"] + r["timing/reward_s"] + r["timing/update_s"],
             "model": r["model_s"],
             "threads": r["perf/torch_threads"],
+            "rows": r["transformer_rows"],
             "reward_mean": r["reward/mean"],
         }
         for r in rows
@@ -305,7 +319,7 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
 
     rows = []
     for step in range(a.warmup + a.steps):
-        model0 = timer.seconds
+        model0, rows0 = timer.seconds, timer.rows
         t0 = time.perf_counter()
         # ---- rollout: fixed batches of B, every sample's prompt encoded on its own row
         samples = []
@@ -381,6 +395,7 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
                 "step": t3 - t0,
                 "model": timer.seconds - model0,
                 "threads": torch.get_num_threads(),
+                "rows": timer.rows - rows0,
                 "reward_mean": float(rewards.mean()),
             }
         )
@@ -388,7 +403,7 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
 
 
 # --------------------------------------------------------------------------- driver
-PHASES = ("rollout", "reward", "update", "step", "model", "threads")
+PHASES = ("rollout", "reward", "update", "step", "model", "threads", "rows")
 SIDES = ("ours", "reference", "ours-thread")
 
 
@@ -402,6 +417,8 @@ def spawn(side: str, model: Path, a: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", side, "--model", str(model)]
     for k in ("prompts", "n", "num_steps", "size", "batch", "warmup", "steps", "threads"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    if a.kl_metric:
+        cmd.append("--kl-metric")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if out.returncode != 0:
@@ -432,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
         default="ours,reference",
         help="of: ours, reference, ours-thread (ours with the waves in the engine's scheduler "
         "thread, as before: the thread penalty)",
+    )
+    ap.add_argument(
+        "--kl-metric",
+        action="store_true",
+        help="keep our policy/kl_to_ref metric (two no-grad passes over one micro-batch after "
+        "each update; off by default: the reference computes no such metric)",
     )
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -466,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         f"N={a.prompts * a.n} ({a.prompts} prompts x {a.n}), {a.num_steps} steps, "
         f"{a.num_steps - 1} trained timesteps, {a.size}x{a.size}, batch {a.batch}, LoRA r{RANK}; "
         f"threads {a.threads or 'default'}, {os.cpu_count()} CPUs; median of {a.repeats} "
-        f"interleaved process rounds x {a.steps} steps; load average "
+        f"interleaved process rounds x {a.steps} steps; policy/kl_to_ref "
+        f"{'on' if a.kl_metric else 'off'}; load average "
         f"{load0[0]:.1f} before, {load1[0]:.1f} after"
     )
     print()
@@ -490,6 +514,13 @@ def main(argv: list[str] | None = None) -> int:
         shares = [f"{1 - res[x]['model'] / res[x]['step']:.0%}" for x in sides]
         print(f"| {name} | " + " | ".join(shares) + " |")
     print()
+    print(
+        "transformer rows forwarded per step (equal work): "
+        + "; ".join(
+            f"{name}: " + ", ".join(f"{x} {res[x]['rows']:g}" for x in sides)
+            for name, res in results.items()
+        )
+    )
     print(
         "torch threads (median): "
         + "; ".join(
