@@ -50,7 +50,7 @@ class ToyDenoiser(nn.Module):
         emb = self.embed(ids)
         return emb, emb.mean(dim=1)
 
-    def encode(self, prompts, negative_prompts=None):
+    def encode(self, prompts, negative_prompts=None, *, params=None):
         emb, pooled = self._embed(list(prompts))
         negs = [""] * len(prompts) if negative_prompts is None else list(negative_prompts)
         nemb, npooled = self._embed(negs)
@@ -142,7 +142,7 @@ class ToyEditDenoiser(ToyDenoiser):
         self.img_proj = nn.Linear(3 * 8 * 8, self.embed.embedding_dim)
         self.seen_images: list = []
 
-    def encode(self, prompts, negative_prompts=None, images=None):
+    def encode(self, prompts, negative_prompts=None, images=None, *, params=None):
         if images is None:
             raise ValueError("images: the toy edit denoiser needs condition images")
         self.seen_images.append(images)

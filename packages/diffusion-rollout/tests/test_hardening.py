@@ -240,9 +240,9 @@ def test_long_prompt_is_cut_before_encoding(toy_cls):
     seen = []
 
     class Recording(toy_cls):
-        def encode(self, prompts, negative_prompts=None):
+        def encode(self, prompts, negative_prompts=None, *, params=None):
             seen.append(max(len(p) for p in prompts))
-            return super().encode(prompts, negative_prompts)
+            return super().encode(prompts, negative_prompts, params=params)
 
     with serve(Recording(), "--max-prompt-tokens", 4) as (url, _, _):
         r = httpx.post(f"{url}/generate", content=body(prompt="word " * 200_000), timeout=30)

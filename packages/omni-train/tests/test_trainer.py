@@ -10,6 +10,7 @@ import pytest
 import torch
 from omni_train_testutils import local_loop, rollout_and_score
 
+from omni_adapters import weights_checksum
 from omni_train import resume, train
 from omni_train.errors import NonFiniteError, TrainError
 from omni_train.logger import read_metrics
@@ -91,6 +92,12 @@ def test_weights_change_and_reach_engine(train_dict, tmp_path: Path) -> None:
     changed = [k for k, v in params.items() if not torch.equal(v, before[k])]
     assert changed, "the update changed no LoRA parameter"
     assert loop.ports.rollout.version == 1
+    # the engine samples a merged copy of the policy, synced to the learner's LoRA tensors
+    rollout = loop.ports.rollout.denoiser
+    assert rollout.is_merged and not loop.learner.adapter.is_merged
+    assert weights_checksum(rollout.export_rollout_weights()) == weights_checksum(
+        loop.learner.rollout_weights()
+    )
     loop.ports.close()
 
 

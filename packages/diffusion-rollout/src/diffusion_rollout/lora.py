@@ -5,7 +5,9 @@ served denoiser must carry an adapter of the same shape first: `LoraSpec` says w
 alpha, target modules), and :func:`ensure_lora` adds it through the denoiser's own
 ``add_lora(rank, alpha, target_modules=...)`` (omni-adapters' `OmniModelBase.add_lora`: peft's
 ``W x + (alpha / rank) B A x`` with ``B = 0`` at first, so the model is unchanged until the
-first update lands). The spec comes from ``diffusion-rollout serve --lora-rank --lora-alpha
+first update lands). A denoiser with ``merge_lora()`` (omni-adapters) then runs the adapter
+merged into its base weights (``W0 + scale * B @ A``, recomputed from ``W0`` at every update),
+so a LoRA forward costs what the base model's does. The spec comes from ``diffusion-rollout serve --lora-rank --lora-alpha
 --lora-targets`` or from the first update (``RolloutClient.update_weights(..., lora_config=)``,
 sent in the safetensors metadata). Alpha cannot be read off the tensors, so it is never
 guessed: LoRA tensors for a model without an adapter and without a spec are an error that says
@@ -149,4 +151,7 @@ def ensure_lora(
         )
     targets: Sequence[str] | None = list(spec.target_modules) or None
     add(spec.rank, spec.alpha, target_modules=targets)
+    merge = getattr(denoiser, "merge_lora", None)
+    if callable(merge):  # a served model only samples: run the adapter merged
+        merge()
     return True

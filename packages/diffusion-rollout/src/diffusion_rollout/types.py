@@ -44,10 +44,13 @@ class Denoiser(Protocol):
     """
 
     def encode(
-        self, prompts: list[str], negative_prompts: list[str] | None = None
+        self, prompts: list[str], negative_prompts: list[str] | None = None, *, params: Any = None
     ) -> dict[str, Tensor]:
         """Batch-first condition tensors of fixed per-row shape; ``negative_*`` keys hold the
-        negative branch ("" when ``negative_prompts`` is None).
+        negative branch ("" when ``negative_prompts`` is None). The engine passes the rows'
+        sampling ``params``; with guidance off the denoiser may leave the negative branch out
+        (its ``velocity`` then never reads it). The engine encodes each distinct prompt of a
+        wave once and shares the rows among that prompt's samples.
 
         An image-conditioned denoiser sets the class attribute ``needs_images = True`` and
         takes ``encode(prompts, negative_prompts, images=...)``: the requests' condition

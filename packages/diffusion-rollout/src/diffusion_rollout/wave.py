@@ -21,10 +21,15 @@ Image-conditioned denoisers (``needs_images = True``, e.g. Qwen-Image-Edit) get 
 ``(H, W, 3)`` tensors (the denoiser resizes them to its condition size); when requests carry
 lists of images (Qwen-Image-Edit-Plus), a list with each row's list of ``(H, W, 3)`` tensors.
 A wave's requests carry images all or none, and the same number of them.
+
+Each distinct (prompt, negative prompt, condition images) of a wave is encoded once: the n
+samples of a prompt share its rows. ``encode`` gets the wave's ``params=``, so a denoiser
+can skip the negative branch when guidance is off.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -169,13 +174,13 @@ def denoise_wave(
             f"tensor with {batch} rows"
         )
     x = x.to(torch.float32)
-    negs = None
-    if any(r.negative_prompt is not None for r in reqs_s):
-        negs = [r.negative_prompt or "" for r in reqs_s]
-    if with_images:
-        cond = den.encode([r.prompt for r in reqs_s], negs, images=_stack_images(reqs_s))
-    else:
-        cond = den.encode([r.prompt for r in reqs_s], negs)
+    # Encode once per unique (prompt, negative prompt, condition images): the n samples of a
+    # prompt share one row of the encoders' output. `cond` has one row per wave row (the
+    # forwards need it batch-first); `row_u[k]` is row k's row in `cond_u`, which the
+    # trajectories keep (views, so n samples share one copy).
+    uniq, row_u = _unique_rows(reqs_s)
+    cond_u = _encode(den, [reqs_s[k] for k in uniq], params, with_images)
+    cond = _expand(cond_u, row_u)
     sig_all = den.sigmas(params).to(device=x.device, dtype=torch.float32)
     if sig_all.shape != (num_steps + 1,):
         raise ValueError(
@@ -207,6 +212,7 @@ def denoise_wave(
                 idx = torch.tensor(keep, device=x.device)
                 x = x.index_select(0, idx)
                 cond = {key: t.index_select(0, idx.to(t.device)) for key, t in cond.items()}
+                row_u = [row_u[k] for k in keep]
                 xs = [None if t is None else t.index_select(0, idx) for t in xs]
                 lps = [None if t is None else t.index_select(0, idx) for t in lps]
                 if x0_prev is not None:
@@ -288,7 +294,7 @@ def denoise_wave(
             sigmas_next=sig_own[s + 1 : e + 1],
             final_latent=None if params.output == "pixel" else x[k],
             media=None if media is None else media[k],
-            condition={key: t[k] for key, t in cond.items()},
+            condition={key: t[row_u[k]] for key, t in cond_u.items()},
             version=version,
             timings={
                 "queue_s": t_start - t_submit[b],
@@ -301,6 +307,65 @@ def denoise_wave(
             params=r.params,
         )
     return trajs, forwards, step_s
+
+
+def _image_key(image: Any) -> tuple:
+    """A hashable key of one request's condition image(s): shape, dtype and a digest of the
+    bytes (equal images give equal keys whichever object carries them)."""
+    if image is None:
+        return ()
+    if isinstance(image, list):
+        return tuple(_image_key(im) for im in image)
+    arr = _as_tensor(image).contiguous().numpy()
+    digest = hashlib.blake2b(arr.tobytes(), digest_size=16).hexdigest()
+    return (arr.shape, str(arr.dtype), digest)
+
+
+def _unique_rows(reqs: Sequence[RolloutRequest]) -> tuple[list[int], list[int]]:
+    """``(uniq, row_u)``: the first row of each distinct (prompt, negative prompt, images),
+    and for every row the position of its key in ``uniq``."""
+    first: dict[tuple, int] = {}
+    uniq: list[int] = []
+    row_u: list[int] = []
+    for k, r in enumerate(reqs):
+        key = (r.prompt, r.negative_prompt, _image_key(r.image))
+        if key not in first:
+            first[key] = len(uniq)
+            uniq.append(k)
+        row_u.append(first[key])
+    return uniq, row_u
+
+
+def _encode(
+    den: Denoiser, reqs: Sequence[RolloutRequest], params: Any, with_images: bool
+) -> dict[str, Tensor]:
+    """``den.encode`` of the requests' prompts (one row each). ``params`` lets the denoiser
+    skip the negative branch when guidance is off; negatives are None (the denoiser's default,
+    ``""``) unless a request carries one."""
+    negs = None
+    if any(r.negative_prompt is not None for r in reqs):
+        negs = [r.negative_prompt or "" for r in reqs]
+    prompts = [r.prompt for r in reqs]
+    if with_images:
+        return den.encode(prompts, negs, images=_stack_images(reqs), params=params)
+    return den.encode(prompts, negs, params=params)
+
+
+def _expand(cond_u: dict[str, Tensor], row_u: list[int]) -> dict[str, Tensor]:
+    """Batch-first condition with row k = ``cond_u[...][row_u[k]]`` (no copy when the rows
+    are already the unique ones in order)."""
+    rows = max(row_u) + 1
+    for key, t in cond_u.items():
+        if t.shape[0] != rows:
+            raise ValueError(
+                f"denoiser.encode returned {t.shape[0]} rows for {key!r}, expected {rows} "
+                "(one per distinct prompt)"
+            )
+    if row_u == list(range(rows)):
+        return dict(cond_u)
+    return {
+        key: t.index_select(0, torch.tensor(row_u, device=t.device)) for key, t in cond_u.items()
+    }
 
 
 def _step_plan(

@@ -15,12 +15,14 @@ the part of a multi-stage model the adapter drives (``"default"`` for single-sta
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import importlib
 import json
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,6 +33,7 @@ __all__ = [
     "ADAPTERS",
     "DEFAULT_STAGE",
     "FAMILY_MODULES",
+    "MergedLinear",
     "OmniModelBase",
     "adapter_for",
     "from_pretrained",
@@ -367,6 +370,17 @@ def _adapter_param_names(module: nn.Module, adapter_name: str) -> dict[str, str]
     return out
 
 
+@dataclass
+class MergedLinear:
+    """One LoRA layer of a merged rollout copy: the plain ``layer`` that runs the forward with
+    weight ``W0 + scale * B @ A``, its base weight ``W0`` (kept, never written) and the LoRA
+    ``scale`` (peft's ``scaling``: alpha / r, or alpha / sqrt(r) with rsLoRA)."""
+
+    layer: nn.Linear
+    base: torch.Tensor
+    scale: float
+
+
 class OmniModelBase:
     """Base of every adapter: model setup, tokenizer config, trainable stage, LoRA, FSDP,
     rollout alignment.
@@ -421,6 +435,10 @@ class OmniModelBase:
         self.train_mode = "frozen"
         self._lora_configs: dict[str, Any] = {}
         self._trainable_adapter: str | None = None
+        #: merged rollout mode (:meth:`merge_lora`): layer name -> MergedLinear, and the LoRA
+        #: tensors merged now (exported names); None for a peft (unmerged) model
+        self._merged: dict[str, MergedLinear] | None = None
+        self._merged_lora: dict[str, torch.Tensor] = {}
         self.freeze_all()
 
     # ------------------------------------------------------------------ model setup
@@ -547,11 +565,13 @@ class OmniModelBase:
             raise ValueError(f"{type(m).__name__} has no gradient checkpointing switch")
 
     def to(self, device: str | torch.device) -> OmniModelBase:
-        """Move every module component to ``device``."""
+        """Move every module component (and a merged model's base weights) to ``device``."""
         self.device = torch.device(device)
         for v in self.components.values():
             if isinstance(v, nn.Module):
                 v.to(self.device)
+        for m in (self._merged or {}).values():
+            m.base = m.base.to(self.device)
         return self
 
     # ------------------------------------------------------- processor / tokenizer
@@ -646,6 +666,7 @@ class OmniModelBase:
 
         if rank <= 0:
             raise ValueError(f"rank: must be > 0, got {rank}")
+        self._refuse_merged("add_lora")
         if adapter_name in self._lora_configs:
             raise ValueError(f"adapter_name: adapter {adapter_name!r} already exists")
         targets = self.lora_target_modules if target_modules is None else target_modules
@@ -745,6 +766,8 @@ class OmniModelBase:
         """LoRA tensors of one adapter, keyed by the exported (adapter-free) name."""
         if adapter_name not in self._lora_configs:
             raise ValueError(f"adapter_name: no LoRA adapter {adapter_name!r}")
+        if self._merged is not None:
+            return dict(self._merged_lora)
         return {
             short: self.model.get_parameter(full)
             for full, short in _adapter_param_names(self.model, adapter_name).items()
@@ -798,6 +821,7 @@ class OmniModelBase:
         adapter and the ``requires_grad`` flags afterwards."""
         if adapter_name not in self._lora_configs:
             raise ValueError(f"adapter_name: no LoRA adapter {adapter_name!r}")
+        self._refuse_merged("use_adapter")
         prev = self.active_adapter()
         self._activate(adapter_name)
         try:
@@ -809,6 +833,7 @@ class OmniModelBase:
     @contextlib.contextmanager
     def disabled_adapters(self) -> Iterator[None]:
         """The reference policy: the base model with every LoRA adapter disabled."""
+        self._refuse_merged("disabled_adapters")
         layers = _tuner_layers(self.model)
         for _, layer in layers:
             layer.enable_adapters(False)
@@ -820,6 +845,116 @@ class OmniModelBase:
             self._restore_grads()
 
     reference_policy = disabled_adapters
+
+    # ------------------------------------------------------ merged LoRA (rollout)
+    @property
+    def is_merged(self) -> bool:
+        """Whether this is a merged rollout model (:meth:`merge_lora`)."""
+        return self._merged is not None
+
+    @property
+    def merged_layers(self) -> dict[str, MergedLinear]:
+        """Layer name -> `MergedLinear` of a merged rollout model (empty when not merged)."""
+        return dict(self._merged or {})
+
+    def _refuse_merged(self, what: str) -> None:
+        if self._merged is not None:
+            raise ValueError(
+                f"{what}: this adapter runs its LoRA merged (a rollout copy, merge_lora); "
+                "use the trainer's unmerged adapter"
+            )
+
+    def lora_base_params(self, adapter_name: str | None = None) -> int:
+        """Elements of the base weights of the layers LoRA adapter ``adapter_name`` (default:
+        the trainable one) wraps: what a merged rollout copy holds a second time."""
+        name = adapter_name or self._trainable_adapter
+        return sum(
+            layer.get_base_layer().weight.numel()
+            for _, layer in _tuner_layers(self.model)
+            if name in getattr(layer, "lora_A", {})
+        )
+
+    def merged_rollout_copy(self, adapter_name: str | None = None) -> OmniModelBase:
+        """A rollout-only copy of this LoRA policy whose forwards run on merged weights.
+
+        It shares every component and every parameter and buffer with this adapter except
+        the weights of the LoRA-wrapped layers, which it holds merged (:meth:`merge_lora`):
+        the extra memory is one copy of those layers' weights. This adapter stays the
+        unmerged peft model the trainer trains; the copy follows it through
+        ``load_weights(export_rollout_weights())``. Not for FSDP-sharded models."""
+        self._refuse_merged("merged_rollout_copy")
+        shared = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
+        out = copy.copy(self)
+        out.components = dict(self.components)
+        out.components[self.trainable_component] = copy.deepcopy(self.model, shared)
+        out.options = dict(self.options)
+        out._lora_configs = dict(self._lora_configs)
+        out.merge_lora(adapter_name)
+        return out
+
+    @torch.no_grad()
+    def merge_lora(self, adapter_name: str | None = None) -> int:
+        """Turn this adapter into a rollout model that runs LoRA adapter ``adapter_name``
+        (default: the trainable one) merged into the base weights; returns how many layers.
+
+        Each peft LoRA ``Linear`` becomes its plain base layer with its own weight
+        ``W = W0 + scale * B @ A`` (LoRA, Hu et al. 2021: the same function as
+        ``W0 x + scale * B A x``), so a forward costs what the base model's does. ``W0`` is
+        kept and every :meth:`load_weights` recomputes ``W`` from it in float32: loading twice
+        never accumulates, and ``B = 0`` gives ``W0`` back bit for bit. Other adapters are
+        dropped; training, ``use_adapter`` and ``disabled_adapters`` are refused afterwards.
+        Only LoRA on ``nn.Linear`` without DoRA merges (the families' targets); anything else
+        is a ValueError naming the layer, raised before the model changes."""
+        from peft.tuners.lora import Linear as LoraLinear
+
+        self._refuse_merged("merge_lora")
+        name = adapter_name or self._trainable_adapter
+        if name is None or name not in self._lora_configs:
+            raise ValueError(f"adapter_name: no LoRA adapter {name!r} to merge (add_lora first)")
+        layers = _tuner_layers(self.model)
+        for full, layer in layers:
+            ok = (
+                isinstance(layer, LoraLinear)
+                and isinstance(layer.get_base_layer(), nn.Linear)
+                and not layer.fan_in_fan_out
+                and not layer.use_dora.get(name, False)
+            )
+            if not ok:
+                raise ValueError(
+                    f"merge_lora: {full} ({type(layer).__name__}) cannot be merged; only LoRA "
+                    "on nn.Linear layers without DoRA can"
+                )
+        current = {k: v.detach() for k, v in self.adapter_state(name).items()}
+        merged: dict[str, MergedLinear] = {}
+        for full, layer in layers:
+            base = layer.get_base_layer()
+            w0 = base.weight.detach()
+            base.weight = nn.Parameter(w0.clone(), requires_grad=False)
+            parent, _, child = full.rpartition(".")
+            setattr(self.model.get_submodule(parent) if parent else self.model, child, base)
+            if name in layer.lora_A:
+                merged[full] = MergedLinear(base, w0, float(layer.scaling[name]))
+        self._merged = merged
+        self._lora_configs = {name: self._lora_configs[name]}
+        self._trainable_adapter = name
+        self.train_mode = "frozen"
+        self.freeze_all()
+        self._merge_into(current)
+        return len(merged)
+
+    @torch.no_grad()
+    def _merge_into(self, lora: dict[str, torch.Tensor]) -> None:
+        """``W = W0 + scale * B @ A`` for every merged layer from the LoRA tensors ``lora``
+        (exported names, already checked); keeps them as the merged state."""
+        assert self._merged is not None
+        for full, m in self._merged.items():
+            a = lora[f"{full}.lora_A.weight"].to(m.base.device, torch.float32)
+            b = lora[f"{full}.lora_B.weight"].to(m.base.device, torch.float32)
+            w = torch.addmm(m.base.to(torch.float32), b, a, alpha=m.scale)
+            m.layer.weight.copy_(w.to(m.layer.weight.dtype))
+        self._merged_lora = {
+            k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in lora.items()
+        }
 
     # ------------------------------------------------------------------- FSDP
     def fsdp_wrap_units(self) -> list[type[nn.Module]]:
@@ -927,7 +1062,8 @@ class OmniModelBase:
 
         LoRA tensors go to ``adapter_name`` (default: the trainable adapter). Unknown names,
         missing names, shape mismatches, non-float dtypes and NaN/inf values are errors that
-        name the tensor, raised before anything is copied (all or nothing)."""
+        name the tensor, raised before anything is copied (all or nothing). A merged rollout
+        model (:meth:`merge_lora`) recomputes its merged weights from the LoRA tensors."""
         if self._lora_configs:
             name = adapter_name or self._trainable_adapter or "default"
             own = self.adapter_state(name)
@@ -950,6 +1086,9 @@ class OmniModelBase:
                 raise ValueError(f"load_weights: {k}: shape {tuple(v.shape)} != {tuple(p.shape)}")
             if not (v.is_floating_point() and bool(torch.isfinite(v).all())):
                 raise ValueError(f"load_weights: {k}: not floating point, or holds NaN/inf")
+        if self._merged is not None:
+            self._merge_into(incoming)
+            return
         for k in sorted(incoming):
             v, p = incoming[k], own[k]
             v = v.to(device=p.device, dtype=p.dtype)

@@ -80,13 +80,20 @@ class DiffusionAdapter(OmniModelBase):
 
     @torch.no_grad()
     def encode(
-        self, prompts: list[str], negative_prompts: list[str] | None = None, **inputs: Any
+        self,
+        prompts: list[str],
+        negative_prompts: list[str] | None = None,
+        *,
+        params: Any = None,
+        **inputs: Any,
     ) -> dict[str, Tensor]:
         """Positive and negative text conditioning; negatives default to ``""``.
 
         Keys ``k`` (positive), ``negative_k`` and shared keys from :meth:`encode_shared`; every
         tensor is batch-first. Families that need more than text (image edit) take it as
-        keyword ``inputs`` (``images=``)."""
+        keyword ``inputs`` (``images=``). Given the sampling ``params`` of the rows and
+        guidance off (:meth:`cfg_scale` <= 1), the negative branch is not encoded (no
+        ``negative_*`` keys): :meth:`velocity` reads it only with guidance on."""
         if isinstance(prompts, str):
             raise TypeError("prompts: expected a list of strings, got a str")
         prompts = list(prompts)
@@ -98,10 +105,10 @@ class DiffusionAdapter(OmniModelBase):
                 f"negative_prompts: {len(negative_prompts)} given for {len(prompts)} prompts"
             )
         shared = self.encode_shared(**inputs)
-        pos = self.encode_prompts(prompts, **inputs)
-        neg = self.encode_prompts(negative_prompts, **inputs)
-        out = dict(pos)
-        out.update({NEGATIVE_PREFIX + k: v for k, v in neg.items()})
+        out = dict(self.encode_prompts(prompts, **inputs))
+        if params is None or self.cfg_scale(params) > 1.0:
+            neg = self.encode_prompts(negative_prompts, **inputs)
+            out.update({NEGATIVE_PREFIX + k: v for k, v in neg.items()})
         out.update(shared)
         return out
 

@@ -8,7 +8,9 @@ counts and one training forward's shape into bytes. The training forward holds
 ``min(prompts_per_step * n / workers / num_minibatches, algorithm.rows_per_forward)`` rows
 (`rows_per_forward` defaults to `rollout.max_num_seqs`; twice that with classifier-free
 guidance, both branches in one forward); the rollout holds `max_num_seqs` rows (twice with
-guidance).
+guidance). A diffusion LoRA rollout samples a merged copy of the policy
+(`OmniModelBase.merged_rollout_copy`), which holds the LoRA-wrapped layers' weights a second
+time (not in the synchronous local loop with an EMA adapter, which samples the policy itself).
 """
 
 from __future__ import annotations
@@ -126,13 +128,17 @@ def memory_report(
             frozen[name] = weight_bytes * pub.checkpoint_count(comp)
     for name, n in pub.frozen_published(model, adapter.components).items():
         frozen[name] = weight_bytes * n
+    t = recipe.trainer
+    shares_policy = t.backend == "local" and t.mode == "sync" and recipe.optimizer.ema_decay > 0
+    if lora and not is_thinker and not shares_policy:
+        frozen["merged LoRA rollout"] = weight_bytes * adapter.lora_base_params()
     terms = (
         [recipe.reward.name] if recipe.reward.name else [t.name for t in recipe.reward.terms or []]
     )
     for term in terms:
         if reward_bytes(term):
             frozen[f"reward {term}"] = reward_bytes(term)
-    r, a, t = recipe.rollout, recipe.algorithm, recipe.trainer
+    r, a = recipe.rollout, recipe.algorithm
     workers = t.num_workers if t.backend in ("ray", "verl") else 1
     per_worker = math.ceil(recipe.data.prompts_per_step * r.n / workers)
     cfg = _cfg_rows(recipe, is_thinker)

@@ -307,9 +307,10 @@ class AlgorithmConfig(_Section):
         None,
         ge=1,
         description="The most rows one forward pass of the update takes (memory): a minibatch "
-        "is split into micro-batches of at most this many rows whose gradients add up to the "
-        "same optimizer step, and small micro-batches replay several SDE window steps (or "
-        "noise draws) in one forward. null = `rollout.max_num_seqs`.",
+        "is split into micro-batches whose gradients add up to the same optimizer step, and "
+        "several SDE window steps (or noise draws) of a micro-batch replay in one forward, "
+        "each row at its own timestep; of the splits with at most this many rows per forward "
+        "the one with the fewest forwards runs. null = `rollout.max_num_seqs`.",
     )
     mix_window: MixWindowConfig = Field(
         default_factory=MixWindowConfig, description="mix_grpo: the sliding SDE window."

@@ -1,9 +1,13 @@
 """The local backend: the learner, the rollout and the reward in one process.
 
-In the synchronous loop the rollout engine samples with the learner's own module (a weight
-sync only bumps the version). With `trainer.mode: async` the rollout of step k+1 runs while
-step k trains, so the engine gets its own copy of the policy and each sync loads the new
-weights into it.
+With LoRA the rollout engine samples with a merged copy of the policy
+(`OmniModelBase.merged_rollout_copy`: the LoRA layers' weights are ``W0 + scale * B @ A``, every
+other tensor is the learner's own), so its forwards cost the base model's; each weight sync
+merges the new LoRA tensors into it, and the learner keeps its unmerged peft model. That also
+lets `trainer.mode: async` sample step k+1 while step k trains. In the synchronous loop with an
+EMA adapter (validation samples with it) and in full fine-tuning the engine samples with the
+learner's own module (a weight sync only bumps the version); in async full fine-tuning it gets
+a deep copy.
 """
 
 from __future__ import annotations
@@ -200,7 +204,9 @@ def make_local_ports(recipe: Recipe) -> Ports:
             closers=[remote.close],
         )
     rollout_adapter = adapter
-    if r.trainer.mode == "async":  # the rollout of step k+1 overlaps the update of step k
+    if r.lora.enabled and (r.trainer.mode == "async" or r.optimizer.ema_decay == 0):
+        rollout_adapter = adapter.merged_rollout_copy()
+    elif r.trainer.mode == "async":  # the rollout of step k+1 overlaps the update of step k
         rollout_adapter = copy.deepcopy(adapter)
         rollout_adapter.set_trainable("frozen")
     engine = EmbeddedEngine(rollout_adapter, max_num_seqs=r.rollout.max_num_seqs)

@@ -296,6 +296,8 @@ class RolloutWorker:
         else:
             from diffusion_rollout import EmbeddedEngine
 
+            if self.recipe.lora.enabled:  # sample with the adapter merged (base-model speed)
+                self.adapter.merge_lora()
             self.engine = EmbeddedEngine(
                 self.adapter, max_num_seqs=self.recipe.rollout.max_num_seqs
             )

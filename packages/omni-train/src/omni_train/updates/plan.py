@@ -14,8 +14,14 @@ changing the gradient. The update scales each micro-batch's mean loss by its sha
 minibatch, so the summed gradient is the minibatch mean whatever the split
 (`omni_train.updates.common` has the algebra).
 
-``pack`` items (SDE window steps, or noise draws) go through one forward together, as long as
-``rows x pack <= rows_per_forward``: fewer, larger forwards, the same gradient.
+``pack`` items (SDE window steps, or noise draws) go through one forward together, each row
+with its own timestep (the velocity takes one sigma per row), as long as
+``rows x pack <= rows_per_forward``: fewer, larger forwards, the same gradient. The split is
+chosen by that memory cap: of all micro-batch counts ``c`` (``r = ceil(share / c)`` rows each,
+``pack = min(items, rows_per_forward // r)``), the one with the fewest forwards
+``c x ceil(items / pack)``, the fewest micro-batches on a tie. E.g. 10 rows, 7 window steps and
+``rows_per_forward`` 16 run as 5 micro-batches of 2 rows x 7 steps (5 forwards of 14 rows)
+instead of 7 forwards of 10 rows, one step each.
 """
 
 from __future__ import annotations
@@ -102,6 +108,23 @@ def _pack(cap: int | None, rows: int, items: int) -> int:
     return max(1, min(items, cap // rows))
 
 
+def _split_for_cap(rows: int, cap: int | None, items: int) -> tuple[int, int]:
+    """``(micro-batches, pack)`` for a share of ``rows`` rows with ``items`` items each: the
+    fewest forwards with at most ``cap`` rows x items per forward (module docstring)."""
+    if cap is None or rows <= 0:
+        return 1, 1
+    best: tuple[int, int, int] | None = None  # (forwards, micro-batches, pack)
+    for n in range(max(1, math.ceil(rows / cap)), rows + 1):
+        pack = _pack(cap, math.ceil(rows / n), items)
+        forwards = n * math.ceil(items / pack)
+        if best is None or forwards < best[0]:
+            best = (forwards, n, pack)
+        if pack == items:  # more micro-batches cannot pack more
+            break
+    assert best is not None
+    return best[1], best[2]
+
+
 def make_update_plans(
     n: int,
     *,
@@ -137,11 +160,7 @@ def make_update_plans(
     for e, epoch in enumerate(shares):
         for k, mb in enumerate(epoch):
             biggest = max(len(part) for part in mb)
-            n_chunks = (
-                1 if rows_per_forward is None else max(1, math.ceil(biggest / rows_per_forward))
-            )
-            chunk_rows = math.ceil(biggest / n_chunks)
-            pack = _pack(rows_per_forward, chunk_rows, items)
+            n_chunks, pack = _split_for_cap(biggest, rows_per_forward, items)
             for r, part in enumerate(mb):
                 chunks, dummy = [], []
                 for c in _split(part, n_chunks):
@@ -153,9 +172,7 @@ def make_update_plans(
                         dummy.append(True)
                 steps[r].append(OptimizerStepPlan(e, k, chunks, dummy, pack))
 
-    biggest = max(len(rr) for rr in rows)
-    n_pre = 1 if rows_per_forward is None else max(1, math.ceil(biggest / rows_per_forward))
-    pre_pack = _pack(rows_per_forward, math.ceil(biggest / n_pre), items)
+    n_pre, pre_pack = _split_for_cap(max(len(rr) for rr in rows), rows_per_forward, items)
     plans = []
     for r in range(world_size):
         pre = [c if c else [0] for c in _split(list(range(len(rows[r]))), n_pre)]
