@@ -110,7 +110,7 @@ class ModelTimer:
     """Seconds inside model forwards (forward hooks on the given modules) and inside
     ``Tensor.backward`` (the backward runs through the transformer)."""
 
-    def __init__(self, modules: list) -> None:
+    def __init__(self, modules: list, transformers: list) -> None:
         import torch
 
         self.seconds = 0.0
@@ -119,7 +119,8 @@ class ModelTimer:
         for m in modules:
             m.register_forward_pre_hook(self._pre)
             m.register_forward_hook(self._post)
-        modules[0].register_forward_pre_hook(self._count, with_kwargs=True)
+        for m in transformers:
+            m.register_forward_pre_hook(self._count, with_kwargs=True)
         backward = torch.Tensor.backward
 
         def timed_backward(tensor, *args, **kwargs):
@@ -184,7 +185,13 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
     if a.child == "ours-thread":
         scheduler_thread_waves(ports.rollout)
     comps = ports.learner.adapter.components
-    timer = ModelTimer(model_modules(comps))
+    mods = model_modules(comps)
+    transformers = [comps["transformer"]]
+    rollout_tr = ports.rollout.denoiser.components["transformer"]
+    if rollout_tr is not comps["transformer"]:  # the merged-LoRA rollout copy
+        mods.append(rollout_tr)
+        transformers.append(rollout_tr)
+    timer = ModelTimer(mods, transformers)
     loop = DiffusionLoop(recipe, ports, tmp / "run")
     marks: list[float] = []
     step = loop.train_step
@@ -293,7 +300,7 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
     )
     params = [p for p in tr.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR)
-    timer = ModelTimer(model_modules(pipe.components))
+    timer = ModelTimer(model_modules(pipe.components), [tr])
     sched = pipe.scheduler
     sched.set_timesteps(a.num_steps)
     sigmas = sched.sigmas.float()  # S + 1 values, the last 0
