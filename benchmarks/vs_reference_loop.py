@@ -114,6 +114,7 @@ class ModelTimer:
         import torch
 
         self.seconds = 0.0
+        self.backward_s = 0.0  # the part of `seconds` inside Tensor.backward
         self.rows = 0  # transformer rows (batch entries) forwarded: the equal-work check
         self._t0: dict[int, float] = {}
         for m in modules:
@@ -129,6 +130,7 @@ class ModelTimer:
                 return backward(tensor, *args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t0
+                self.backward_s += time.perf_counter() - t0
 
         torch.Tensor.backward = timed_backward
 
@@ -198,10 +200,11 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
 
     def marked(*args, **kwargs):
         marks.append(timer.seconds)
-        rows0 = timer.rows
+        rows0, bw0 = timer.rows, timer.backward_s
         row = step(*args, **kwargs)
         row["model_s"] = timer.seconds - marks[-1]
         row["transformer_rows"] = timer.rows - rows0
+        row["backward_s"] = timer.backward_s - bw0
         return row
 
     loop.train_step = marked
@@ -220,6 +223,7 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
             "model": r["model_s"],
             "threads": r["perf/torch_threads"],
             "rows": r["transformer_rows"],
+            "backward": r["backward_s"],
             "reward_mean": r["reward/mean"],
         }
         for r in rows
@@ -326,7 +330,7 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
 
     rows = []
     for step in range(a.warmup + a.steps):
-        model0, rows0 = timer.seconds, timer.rows
+        model0, rows0, bw0 = timer.seconds, timer.rows, timer.backward_s
         t0 = time.perf_counter()
         # ---- rollout: fixed batches of B, every sample's prompt encoded on its own row
         samples = []
@@ -403,6 +407,7 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
                 "model": timer.seconds - model0,
                 "threads": torch.get_num_threads(),
                 "rows": timer.rows - rows0,
+                "backward": timer.backward_s - bw0,
                 "reward_mean": float(rewards.mean()),
             }
         )
@@ -410,7 +415,7 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
 
 
 # --------------------------------------------------------------------------- driver
-PHASES = ("rollout", "reward", "update", "step", "model", "threads", "rows")
+PHASES = ("rollout", "reward", "update", "step", "model", "threads", "rows", "backward")
 SIDES = ("ours", "reference", "ours-thread")
 
 
@@ -521,6 +526,13 @@ def main(argv: list[str] | None = None) -> int:
         shares = [f"{1 - res[x]['model'] / res[x]['step']:.0%}" for x in sides]
         print(f"| {name} | " + " | ".join(shares) + " |")
     print()
+    print(
+        "seconds per step inside backward(): "
+        + "; ".join(
+            f"{name}: " + ", ".join(f"{x} {res[x]['backward']:.3f}" for x in sides)
+            for name, res in results.items()
+        )
+    )
     print(
         "transformer rows forwarded per step (equal work): "
         + "; ".join(
