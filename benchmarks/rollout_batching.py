@@ -6,8 +6,10 @@ through a hand-written fixed-batch denoising loop over the same model (the ceili
 batch of 16, one shared SDE window, no scheduler). Prints, per model: rows per forward,
 requests/s of each, the speedup over serial, the ratio of the engine to the ceiling, and the
 max |log-prob| / |latent| difference between the serial and the batched trajectories of the
-same requests. Every timing is the best of ``--repeats`` interleaved runs in rotating order (the CPU is
-shared).
+same requests. Each timed run is its OWN process (``--child``): two sides in one process both
+fall into libgomp's slow mode once two threads have run torch ops (docs/performance.md), which
+reads as parity. Every timing is the best of ``--repeats`` interleaved runs in rotating order
+(the CPU is shared); each run's trajectories come back as safetensors for the comparison.
 
     uv run python benchmarks/rollout_batching.py            # N=48, both models
     uv run python benchmarks/rollout_batching.py --n 64 --models tiny --threads 1
@@ -17,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -78,31 +81,10 @@ def run_engine(den, reqs, max_num_seqs: int):
     return trajs, dt, stats
 
 
+@torch.no_grad()
 def run_fixed_batch(den, reqs, batch: int) -> float:
     """The ceiling: a plain fixed-batch loop a trainer would write by hand, same model, same
-    per-row generators, one shared SDE window per batch, no bookkeeping.
-
-    It runs in a worker thread, like the engine's scheduler: on a loaded machine torch's
-    intra-op threads in the main thread can be many times slower than in a worker thread,
-    which would flatter the engine."""
-    out: dict[str, object] = {}
-
-    def work() -> None:
-        try:
-            out["t"] = _fixed_batch_loop(den, reqs, batch)
-        except BaseException as exc:
-            out["e"] = exc
-
-    th = threading.Thread(target=work)
-    th.start()
-    th.join()
-    if "e" in out:
-        raise out["e"]  # type: ignore[misc]
-    return out["t"]  # type: ignore[return-value]
-
-
-@torch.no_grad()
-def _fixed_batch_loop(den, reqs, batch: int) -> float:
+    per-row generators, one shared SDE window per batch, no bookkeeping."""
     params = reqs[0].params
     t0 = time.perf_counter()
     for k in range(0, len(reqs), batch):
@@ -131,9 +113,8 @@ def _fixed_batch_loop(den, reqs, batch: int) -> float:
     return time.perf_counter() - t0
 
 
-def bench(name: str, path: Path, n: int, repeats: int, steps: int, size: int) -> dict:
-    den = omni_adapters.from_pretrained(path)
-    params = SamplingParams(
+def params_for(steps: int, size: int) -> SamplingParams:
+    return SamplingParams(
         height=size,
         width=size,
         num_steps=steps,
@@ -143,25 +124,59 @@ def bench(name: str, path: Path, n: int, repeats: int, steps: int, size: int) ->
         sde_window_range=(0, steps // 2),
         output="both",
     )
-    reqs = make_requests(n, params)
+
+
+def child(mode: str, path: str, n: int, steps: int, size: int, out: str, threads: int) -> None:
+    """One timed run in this process (after a small warm-up); seconds and stats as JSON on
+    stdout, the engine's log-probs and latents to ``out`` (safetensors)."""
+    from safetensors.torch import save_file
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    den = omni_adapters.from_pretrained(path)
+    reqs = make_requests(n, params_for(steps, size))
+    if mode == "ceiling":
+        run_fixed_batch(den, reqs[:4], 4)  # warm-up
+        print(json.dumps({"seconds": run_fixed_batch(den, reqs, 16)}))
+        return
     run_engine(den, reqs[:4], 4)  # warm-up
-    run_fixed_batch(den, reqs[:4], 4)
+    trajs, dt, st = run_engine(den, reqs, 1 if mode == "serial" else 16)
+    tensors = {}
+    for i, t in enumerate(trajs):
+        tensors[f"logp{i}"], tensors[f"lat{i}"] = t.log_probs, t.latents.contiguous()
+    save_file(tensors, out)
+    print(json.dumps({"seconds": dt, "rows_per_forward": st["mean_rows_per_forward"]}))
+
+
+def spawn(mode: str, path: Path, n: int, steps: int, size: int, out: Path, threads: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", mode, "--model", str(path), "--n", str(n)]
+    cmd += ["--steps", str(steps), "--size", str(size), "--out", str(out)]
+    cmd += ["--threads", str(threads)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        raise SystemExit(f"{mode} child failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def bench(name: str, path: Path, n: int, repeats: int, steps: int, size: int, threads: int) -> dict:
+    from safetensors.torch import load_file
+
     best = {"serial": float("inf"), "batched": float("inf"), "ceiling": float("inf")}
-    results: dict[str, object] = {}
+    rows_pf: dict[str, float] = {}
     modes = ["serial", "batched", "ceiling"]
-    for rep in range(repeats):
-        # rotate the order every repeat, so load drift on a shared machine hits all three
-        for mode in modes[rep % 3 :] + modes[: rep % 3]:
-            if mode == "ceiling":
-                best["ceiling"] = min(best["ceiling"], run_fixed_batch(den, reqs, 16))
-                continue
-            trajs, dt, st = run_engine(den, reqs, 1 if mode == "serial" else 16)
-            best[mode] = min(best[mode], dt)
-            results[mode], results[mode + "_stats"] = trajs, st
-    serial, batched = results["serial"], results["batched"]
-    st1, st16 = results["serial_stats"], results["batched_stats"]
-    dlogp = max((a.log_probs - b.log_probs).abs().max().item() for a, b in zip(serial, batched))
-    dlat = max((a.latents - b.latents).abs().max().item() for a, b in zip(serial, batched))
+    with tempfile.TemporaryDirectory(prefix="rollout-bench-out-") as tmp:
+        for rep in range(repeats):
+            # rotate the order every repeat, so load drift on a shared machine hits all three
+            for mode in modes[rep % 3 :] + modes[: rep % 3]:
+                got = spawn(mode, path, n, steps, size, Path(tmp) / f"{mode}.st", threads)
+                best[mode] = min(best[mode], got["seconds"])
+                if mode != "ceiling":
+                    rows_pf[mode] = got["rows_per_forward"]
+        serial, batched = load_file(Path(tmp) / "serial.st"), load_file(Path(tmp) / "batched.st")
+    dlogp = max((serial[f"logp{i}"] - batched[f"logp{i}"]).abs().max().item() for i in range(n))
+    dlat = max((serial[f"lat{i}"] - batched[f"lat{i}"]).abs().max().item() for i in range(n))
+    den = omni_adapters.from_pretrained(path)
     params_count = sum(p.numel() for p in den.model.parameters())
     return {
         "model": name,
@@ -169,8 +184,8 @@ def bench(name: str, path: Path, n: int, repeats: int, steps: int, size: int) ->
         "image": f"{size}x{size}",
         "n": n,
         "steps": steps,
-        "rows_per_forward_serial": st1["mean_rows_per_forward"],
-        "rows_per_forward_batched": st16["mean_rows_per_forward"],
+        "rows_per_forward_serial": rows_pf["serial"],
+        "rows_per_forward_batched": rows_pf["batched"],
         "req_s_serial": n / best["serial"],
         "req_s_batched": n / best["batched"],
         "req_s_ceiling": n / best["ceiling"],
@@ -189,7 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="tiny,cpu-large")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--json", action="store_true", help="print one JSON line per model too")
+    ap.add_argument("--child", choices=("serial", "batched", "ceiling"), help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--size", type=int, default=32, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child:
+        child(args.child, args.model, args.n, args.steps, args.size, args.out, args.threads)
+        return 0
+    load0 = os.getloadavg()
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = set(names) - {"tiny", "cpu-large"}
     if unknown:
@@ -202,11 +225,15 @@ def main(argv: list[str] | None = None) -> int:
         paths = build_models(Path(tmp), names)
         for name in names:
             size = 32 if name == "tiny" else 64
-            rows.append(bench(name, paths[name], args.n, args.repeats, args.steps, size))
+            rows.append(
+                bench(name, paths[name], args.n, args.repeats, args.steps, size, args.threads)
+            )
+    load1 = os.getloadavg()
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, N={args.n}, "
-        f"{args.steps} steps, CFG 4.5 (2 branches packed), SDE window 2, best of "
-        f"{args.repeats}"
+        f"torch {torch.__version__}, {args.threads or torch.get_num_threads()} threads, "
+        f"N={args.n}, {args.steps} steps, CFG 4.5 (2 branches packed), SDE window 2, best of "
+        f"{args.repeats}, each run its own process; load average {load0[0]:.1f} before, "
+        f"{load1[0]:.1f} after"
     )
     print()
     print(

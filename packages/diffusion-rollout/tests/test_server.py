@@ -172,3 +172,51 @@ def test_cli_without_omni_adapters_explains(monkeypatch):
         cli._load_with_omni_adapters("some/path", None)
     with pytest.raises(SystemExit, match="port"):
         cli.build_server(cli.build_parser().parse_args(["serve", "--model", "m", "--port", "0"]))
+
+
+def test_one_thread_team_while_serving(live_server):
+    """Waves run only in the scheduler thread; the worker threads that load weights run torch
+    on one thread, so they never start an OpenMP team of their own beside it."""
+    url, _, toy = live_server
+    seen: dict[str, list] = {"velocity": [], "load": []}
+    velocity, load = toy.velocity, toy.load_weights
+
+    def seen_velocity(*args):
+        seen["velocity"].append(threading.current_thread().name)
+        return velocity(*args)
+
+    def seen_load(tensors):
+        seen["load"].append((threading.current_thread(), torch.get_num_threads()))
+        return load(tensors)
+
+    toy.velocity, toy.load_weights = seen_velocity, seen_load
+    client = RolloutClient(url)
+    client.generate(reqs(3))
+    client.update_weights({"proj_out.bias": torch.full((4,), 0.1)}, 1)
+    assert set(seen["velocity"]) == {"diffusion-rollout-scheduler"}
+    ((thread, threads),) = seen["load"]
+    assert threads == 1 and thread is not threading.main_thread()
+
+
+def test_serve_loads_the_model_off_the_main_thread(toy):
+    """The model loads in a short-lived thread: the main thread (the event loop) then holds
+    no OpenMP team beside the scheduler's; a failed load still reports in one line."""
+    from diffusion_rollout.cli import build_parser, build_server
+
+    loaded_in: list[threading.Thread] = []
+
+    def factory(path, device):
+        loaded_in.append(threading.current_thread())
+        return toy
+
+    args = build_parser().parse_args(["serve", "--model", "toy", "--port", "8000"])
+    _, engine = build_server(args, factory)
+    engine.close()
+    assert loaded_in and loaded_in[0] is not threading.main_thread()
+    assert not loaded_in[0].is_alive()
+
+    def broken(path, device):
+        raise OSError("no such folder")
+
+    with pytest.raises(SystemExit, match=r"cannot load --model toy: .*no such folder"):
+        build_server(args, broken)

@@ -114,3 +114,54 @@ def test_async_on_ray_overlaps(ray_session, tmp_path, tiny_sd3):
     r = recipe(tmp_path, tiny_sd3, backend="ray", num_workers=1)
     rows, spans = _timed_run(r, tmp_path)
     _check(rows, spans)
+
+
+def test_async_rollout_and_update_split_the_threads(tmp_path, tiny_sd3):
+    """trainer.threads 2, async: the prefetch thread's waves run on 1 torch thread and the
+    update beside them on the other, never 2 + 2 on the cores (PrefetchRollout)."""
+    import threading
+
+    import torch
+
+    r = recipe(tmp_path, tiny_sd3, threads=2)
+    ports = make_ports(r)
+    seen: dict[str, list] = {"rollout": [], "update": []}
+
+    def counted(kind, fn):
+        def wrapper(*args, **kwargs):
+            seen[kind].append((threading.current_thread().name, torch.get_num_threads()))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    ports.rollout.generate_many = counted("rollout", ports.rollout.generate_many)
+    ports.learner.update = counted("update", ports.learner.update)
+    try:
+        rows = DiffusionLoop(r, ports, tmp_path / "run").train()
+    finally:
+        ports.close()
+    assert all(np.isfinite(row["loss"]) for row in rows)
+    assert seen["rollout"] and {n for _, n in seen["rollout"]} == {1}
+    assert all(name.startswith("rollout-prefetch") for name, _ in seen["rollout"])
+    # updates 0 and 1 ran beside the next rollout: 1 thread; the last one had none in flight
+    assert [n for _, n in seen["update"]] == [1, 1, 2]
+    assert torch.get_num_threads() == 2  # close() gave the caller its threads back
+
+
+def test_free_cores_leaves_other_processes_their_share():
+    from omni_train.loops import CoreShare, free_cores
+
+    assert free_cores(2.0, 2.0, 2) == 2  # only we run: every core
+    assert free_cores(0.1, 0.0, 4) == 4
+    assert free_cores(8.6, 0.6, 2) == 1  # 8 busy threads elsewhere: one thread, never 0
+    assert free_cores(3.0, 1.0, 4) == 2
+    assert free_cores(50.0, 0.0, 8) == 1
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        share = CoreShare()
+        n = share.update()
+        assert 1 <= n <= share.cores and torch.get_num_threads() == n
+    finally:
+        torch.set_num_threads(before)

@@ -426,6 +426,52 @@ def load_file_keys(run: Path) -> set[str]:
         return set(f.keys())
 
 
+def test_sync_step_computes_in_one_thread_team(train_dict, tmp_path, monkeypatch):
+    """trainer.mode sync, reward.overlap: every wave runs in the main thread (the one that
+    also runs the update), no scheduler thread starts, and the reward thread runs torch on
+    one thread, so the process holds one OpenMP team (docs/performance.md)."""
+    import threading
+
+    import torch
+
+    import omni_rewards
+    from diffusion_rollout.engine import EmbeddedEngine
+
+    reward_threads: list[tuple[str, int]] = []
+
+    class Seen(omni_rewards.Reward):
+        name = "seen_brightness"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = omni_rewards.load_reward("brightness")
+
+        def score_batch(self, inp):
+            reward_threads.append((threading.current_thread().name, torch.get_num_threads()))
+            return self.inner(inp)
+
+    monkeypatch.setitem(omni_rewards.REWARDS, "seen_brightness", Seen)
+    wave_threads: list[threading.Thread] = []
+    run_wave = EmbeddedEngine._run_wave
+
+    def seen_wave(self, entries):
+        wave_threads.append(threading.current_thread())
+        assert not [t for t in threading.enumerate() if t.name == "diffusion-rollout-scheduler"]
+        run_wave(self, entries)
+
+    monkeypatch.setattr(EmbeddedEngine, "_run_wave", seen_wave)
+    d = train_dict(
+        reward={"name": "seen_brightness", "overlap": True},
+        rollout={"max_num_seqs": 2},
+        trainer={"steps": 1, "sample_every": 0, "threads": 2},
+    )
+    (row,) = train(recipe_from_dict(d))
+    assert np.isfinite(row["loss"])
+    assert len(wave_threads) >= 4 and set(wave_threads) == {threading.main_thread()}
+    assert {n for _, n in reward_threads} == {1}
+    assert {name.split("_")[0] for name, _ in reward_threads} == {"reward"}
+
+
 def test_reward_overlaps_the_rollout_and_scores_the_same(train_dict, tmp_path, monkeypatch):
     """reward.overlap: each wave is scored while the next waves compute (4 waves of 2 rows
     here), with the rewards of scoring the whole batch after the rollout."""

@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any, NoReturn
@@ -144,6 +145,30 @@ def lora_spec_from_args(args: argparse.Namespace) -> LoraSpec | None:
         raise SystemExit(f"--lora-*: {exc}") from None
 
 
+def _in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a short-lived thread; its result, or its exception raised here.
+
+    Loading a model runs torch ops, and the first thread that runs one keeps an OpenMP
+    thread team for as long as it lives. The server's main thread runs the event loop for
+    the server's whole life, so it must not hold a team beside the engine's scheduler
+    thread (two teams on the same cores stop libgomp's spin-waiting; `EmbeddedEngine`).
+    A team that ends with its thread does not count."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args)
+        except BaseException as exc:  # re-raised in the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="diffusion-rollout-load")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def build_server(
     args: argparse.Namespace,
     denoiser_factory: Callable[[str, str | None], Any] | None = None,
@@ -161,7 +186,7 @@ def build_server(
     factory = denoiser_factory or _load_with_omni_adapters
     lora = lora_spec_from_args(args)
     try:
-        denoiser = factory(args.model, args.device)
+        denoiser = _in_own_thread(factory, args.model, args.device)
     except (SystemExit, KeyboardInterrupt):
         raise
     except Exception as exc:  # a missing folder, a broken config: one line, no traceback
@@ -170,7 +195,7 @@ def build_server(
         ) from None
     if lora is not None:
         try:
-            ensure_lora(denoiser, lora)
+            _in_own_thread(ensure_lora, denoiser, lora)
         except (TypeError, ValueError) as exc:
             raise SystemExit(f"diffusion-rollout serve: --lora-*: {_one_line(exc)}") from None
     try:

@@ -14,9 +14,16 @@ So a request's trajectory does not depend on which requests shared its waves, no
 order: only the transformer's batched kernels can differ, by float rounding (measured in the
 tests and the benchmark).
 
-The scheduler runs in one background thread, so the asyncio loop of a caller (or of the HTTP
-server) stays free while a wave computes; ``generate`` is a coroutine over that thread,
-``generate_many`` a blocking convenience that needs no event loop.
+Which thread computes. A caller that blocks anyway (`generate_many`) runs the waves in its
+own thread: the process then keeps one OpenMP thread team. Two threads that have both run
+torch ops hold two teams, and with more OpenMP threads than cores libgomp stops spin-waiting,
+so every small op sleeps and wakes (the trainer's update in the main thread and the waves in
+a scheduler thread took 0.50 s per step instead of 0.22 s; docs/performance.md). Only the
+non-blocking calls (`submit`, `submit_many`, `generate`, `agenerate_many`: the HTTP server)
+start a scheduler thread, so the asyncio loop of a caller stays free while a wave computes;
+that thread runs torch with ``threads`` threads (the creator's count by default). One thread
+at a time drives the waves (the *driver*); a blocking caller that finds the scheduler thread
+already driving waits for its futures instead.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,7 +119,12 @@ class EmbeddedEngine:
         version: int = 0,
         version_timeout_s: float = 60.0,
         max_wave_pixels: int | None = None,
+        threads: int | None = None,
     ) -> None:
+        if threads is not None and (
+            isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+        ):
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         if max_wait_ms < 0:
@@ -135,7 +147,11 @@ class EmbeddedEngine:
         self.max_wait_s = float(max_wait_ms) / 1000.0
         self.version_timeout_s = float(version_timeout_s)
         self.max_wave_pixels = max_wave_pixels
+        # the scheduler thread's torch threads: the creator's, so a process that set a budget
+        # (trainer.threads, torch.set_num_threads) keeps it in that thread too
+        self.threads = threads if threads is not None else torch.get_num_threads()
         self._version = version
+        self._driver: threading.Thread | None = None  # the thread running waves now
         self._queue: list[_Entry] = []
         self._cond = threading.Condition()
         self._compute_lock = threading.Lock()
@@ -158,7 +174,13 @@ class EmbeddedEngine:
         return self.submit_many([request])[0]
 
     def submit_many(self, requests: Iterable[RolloutRequest]) -> list[concurrent.futures.Future]:
-        """Queue many requests at once (they can all join the first wave)."""
+        """Queue many requests at once (they can all join the first wave); the scheduler
+        thread runs them."""
+        return self._enqueue(requests, start_thread=True)
+
+    def _enqueue(
+        self, requests: Iterable[RolloutRequest], *, start_thread: bool
+    ) -> list[concurrent.futures.Future]:
         entries = []
         now = time.monotonic()
         for i, req in enumerate(requests):
@@ -180,7 +202,8 @@ class EmbeddedEngine:
             if self._closed:
                 raise EngineClosed("the engine is closed")
             self._queue.extend(entries)
-            self._ensure_thread()
+            if start_thread:
+                self._ensure_thread()
             self._cond.notify_all()
         return [e.future for e in entries]
 
@@ -194,22 +217,51 @@ class EmbeddedEngine:
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futs)))
 
     def generate_many(
-        self, requests: Sequence[RolloutRequest], *, progress: bool = False
+        self,
+        requests: Sequence[RolloutRequest],
+        *,
+        progress: bool = False,
+        on_ready: Callable[[list[int], list[Trajectory]], None] | None = None,
     ) -> list[Trajectory]:
         """Blocking: roll out many requests, trajectories in request order.
 
-        Needs no event loop (the scheduler is a thread), so it also works from code that
-        has none running. The first failed request's error is raised after all finished.
+        The waves run in the calling thread (module docstring: one OpenMP team), so this
+        needs no event loop and starts no thread. ``on_ready(indices, trajectories)`` is
+        called in this thread after each wave with the requests it finished (their indices
+        in ``requests``), before the next wave starts: the caller can hand them to a reward
+        thread meanwhile. The first failed request's error is raised after all finished.
         """
-        futs = self.submit_many(requests)
+        futs = self._enqueue(requests, start_thread=False)
+        bar = None
         if progress:
             from tqdm.auto import tqdm
 
-            with tqdm(total=len(futs), desc="rollout", unit="req") as bar:
-                for _ in concurrent.futures.as_completed(futs):
-                    bar.update(1)
-        concurrent.futures.wait(futs)
+            bar = tqdm(total=len(futs), desc="rollout", unit="req")
+        pending = set(range(len(futs)))
+
+        def report() -> None:
+            ready = sorted(i for i in pending if futs[i].done())
+            pending.difference_update(ready)
+            if bar is not None:
+                bar.update(len(ready))
+            good = [i for i in ready if not futs[i].cancelled() and futs[i].exception() is None]
+            if on_ready is not None and good:
+                on_ready(good, [futs[i].result() for i in good])
+
+        for f in futs:  # wakes this thread when a future ends elsewhere (abort, close)
+            f.add_done_callback(self._wake)
+        try:
+            self._drive(lambda: all(f.done() for f in futs), after_wave=report)
+            concurrent.futures.wait(futs)  # futures another driver (the scheduler) runs
+            report()
+        finally:
+            if bar is not None:
+                bar.close()
         return [f.result() for f in futs]
+
+    def _wake(self, _: object = None) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def update_weights(
         self,
@@ -332,12 +384,34 @@ class EmbeddedEngine:
             self._thread.start()
 
     def _loop(self) -> None:
-        while True:
+        torch.set_num_threads(self.threads)  # this thread's own OpenMP count (per thread)
+        self._drive(lambda: False)
+
+    def _drive(
+        self, done: Callable[[], bool], after_wave: Callable[[], None] | None = None
+    ) -> None:
+        """Run waves in this thread until ``done()`` or the engine closes. Only one thread
+        drives at a time; another one waits here until the driver leaves or ``done()``."""
+        me = threading.current_thread()
+        try:
+            while True:
+                with self._cond:
+                    while self._driver is not None and self._driver is not me:
+                        if self._closed or done():
+                            return
+                        self._cond.wait()
+                    self._driver = me
+                    wave = self._next_wave_locked(done)
+                if wave is None:
+                    return
+                self._run_wave(wave)
+                if after_wave is not None:
+                    after_wave()
+        finally:  # also when a wave or after_wave raised: never leave the role held
             with self._cond:
-                wave = self._next_wave_locked()
-            if wave is None:
-                return
-            self._run_wave(wave)
+                if self._driver is me:
+                    self._driver = None
+                    self._cond.notify_all()  # a waiting caller may drive now
 
     def _expire_locked(self, now: float) -> None:
         keep = []
@@ -366,9 +440,9 @@ class EmbeddedEngine:
                 keep.append(e)
         self._queue = keep
 
-    def _next_wave_locked(self) -> list[_Entry] | None:
+    def _next_wave_locked(self, done: Callable[[], bool]) -> list[_Entry] | None:
         while True:
-            if self._closed:
+            if self._closed or done():
                 return None
             if self._updates_waiting:
                 self._cond.wait()

@@ -29,6 +29,8 @@ the scheduler thread packs them into waves. A request whose client disconnects, 
 past ``request_timeout_s``, is cancelled in the engine: taken off the queue, or stopped at its
 wave's next step boundary, freeing its rows. JSON parsing, image decoding, safetensors
 parsing and weight checks run in worker threads, so ``/health`` answers while they work.
+Those threads run torch with one thread each: only the scheduler thread holds an OpenMP team
+(`EmbeddedEngine`: two teams on the same cores stop libgomp's spin-waiting).
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ import asyncio
 import hmac
 import re
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -63,6 +67,16 @@ _VERSION = re.compile(r"\d{1,18}")
 # a response that refuses a request before its body was read closes the connection, so the
 # unread body is never drained
 _CLOSE = {"connection": "close"}
+
+
+def _one_torch_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with one torch thread in this (``asyncio.to_thread``) worker.
+
+    The setting is per thread and stays, so the worker never starts an OpenMP team; the
+    engine's scheduler thread sets its own count (`EmbeddedEngine` ``threads``)."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    return fn(*args, **kwargs)
 
 
 def _error(
@@ -218,7 +232,7 @@ def create_app(
             counts["client_gone"] += 1
             return Response(status_code=400)
         try:
-            req = await asyncio.to_thread(parse_request, body)
+            req = await asyncio.to_thread(_one_torch_thread, parse_request, body)
         except LimitError as exc:
             return refuse("over_limit", _error(400, str(exc), field=exc.field, kind="over_limit"))
         except JSONBodyError as exc:
@@ -274,7 +288,7 @@ def create_app(
         except Exception as exc:  # the model failed on this wave; the server keeps serving
             counts["engine_error"] += 1
             return _error(500, f"{type(exc).__name__}: {exc}", kind="engine_error")
-        payload = await asyncio.to_thread(trajectory_to_bytes, traj)
+        payload = await asyncio.to_thread(_one_torch_thread, trajectory_to_bytes, traj)
         counts["answered"] += 1
         return Response(payload, media_type="application/octet-stream")
 
@@ -307,7 +321,7 @@ def create_app(
             counts["client_gone"] += 1
             return Response(status_code=400)
         try:
-            tensors, meta = await asyncio.to_thread(tensors_from_bytes, body)
+            tensors, meta = await asyncio.to_thread(_one_torch_thread, tensors_from_bytes, body)
         except ValueError as exc:
             return refuse("invalid", _error(400, f"body: {exc}", field="body"))
         del body
@@ -334,7 +348,9 @@ def create_app(
             except ValueError as exc:
                 return refuse("invalid", _error(400, str(exc), field="lora_config"))
         try:
-            await asyncio.to_thread(engine.update_weights, tensors, version, **lora_kw)
+            await asyncio.to_thread(
+                _one_torch_thread, engine.update_weights, tensors, version, **lora_kw
+            )
         except WeightsRejected as exc:
             return refuse(
                 "invalid", _error(400, str(exc), field=exc.field, kind="weights_rejected")
@@ -347,7 +363,7 @@ def create_app(
             return refuse("invalid", _weights_error(exc))
         except (KeyError, TypeError, RuntimeError) as exc:
             return refuse("invalid", _weights_error(exc))
-        checksum = await asyncio.to_thread(weights_checksum, tensors)
+        checksum = await asyncio.to_thread(_one_torch_thread, weights_checksum, tensors)
         counts["weights"] += 1
         return JSONResponse({"version": version, "checksum": checksum, "tensors": len(tensors)})
 

@@ -451,7 +451,13 @@ class TrainerConfig(_Section):
     )
     wandb_project: str = Field("omni-rl", description="wandb project name.")
     progress: bool = Field(True, description="Show a tqdm progress bar.")
-    threads: int | None = Field(None, ge=1, description="torch.set_num_threads (CPU).")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch.set_num_threads (CPU). null: torch's default; on a CPU with the "
+        "local backend in sync mode, the cores other processes leave free, re-checked each "
+        "step (docs/performance.md).",
+    )
 
     @field_validator("output_dir")
     @classmethod

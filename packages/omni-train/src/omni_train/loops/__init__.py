@@ -10,16 +10,25 @@ They talk to a backend only through its `omni_train.ports.Ports`.
 from .diffusion import DiffusionLoop
 from .omni import OmniLoop
 from .run import RUN_OUTPUTS, RunFolder, clear_run_dir
-from .schedule import PrefetchRollout, SyncRollout, launchable, staleness_stats
+from .schedule import (
+    CoreShare,
+    PrefetchRollout,
+    SyncRollout,
+    free_cores,
+    launchable,
+    staleness_stats,
+)
 
 __all__ = [
     "RUN_OUTPUTS",
+    "CoreShare",
     "DiffusionLoop",
     "OmniLoop",
     "PrefetchRollout",
     "RunFolder",
     "SyncRollout",
     "clear_run_dir",
+    "free_cores",
     "launchable",
     "staleness_stats",
 ]

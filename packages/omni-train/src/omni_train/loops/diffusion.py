@@ -42,7 +42,7 @@ from ..recipe import Recipe
 from ..seeds import DOMAIN_VAL, derive_seed, sample_seed
 from ..updates import forward_draws, pair_batch, replay_batch, sample_batch
 from .run import RunFolder, sample_due, save_due, val_due
-from .schedule import PrefetchRollout, SyncRollout, staleness_stats
+from .schedule import CoreShare, PrefetchRollout, SyncRollout, staleness_stats
 
 __all__ = ["DiffusionLoop", "media_fields", "still_frames"]
 
@@ -393,11 +393,21 @@ class DiffusionLoop:
                 )
             if start == 0:
                 self.run.log_baseline(self.validate(0))
-        # scores waves while the next ones roll out (reward.overlap); one thread keeps the
-        # reward's own order and thread use as they are
-        self.reward_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
+        # scores waves while the next ones roll out in this thread (reward.overlap); one
+        # thread keeps the reward's own order. Its torch ops run on one thread: a second
+        # OpenMP team beside the rollout's would stop libgomp's spin-waiting in both
+        # (diffusion_rollout.EmbeddedEngine, docs/performance.md)
+        self.reward_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="reward", initializer=torch.set_num_threads, initargs=(1,)
+        )
+        share = None  # trainer.threads null, on a CPU: the cores other processes leave
+        local_cpu = t.backend == "local" and r.model.device == "cpu"
+        if t.threads is None and t.mode == "sync" and local_cpu:
+            share = CoreShare()
         try:
             for step in range(start, t.steps):
+                if share is not None:
+                    share.update()
                 rows.append(self.train_step(step, rollout))
         finally:
             self.reward_pool.shutdown(wait=True, cancel_futures=True)
@@ -489,5 +499,6 @@ class DiffusionLoop:
         row["timing/save_s"] = t6 - t5
         row["timing/step_s"] = t6 - t0
         row["perf/images_per_s"] = len(trajs) / max(t1 - t0, 1e-9)
+        row["perf/torch_threads"] = torch.get_num_threads()
         self.run.log(row)
         return row

@@ -20,13 +20,24 @@ off-policy: the loop weights them with `trainer.async_correction` (`omni_algos.c
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..errors import TrainError
 
-__all__ = ["PrefetchRollout", "SyncRollout", "launchable", "staleness_stats"]
+__all__ = [
+    "CoreShare",
+    "PrefetchRollout",
+    "SyncRollout",
+    "free_cores",
+    "launchable",
+    "staleness_stats",
+]
 
 
 def launchable(next_step: int, version: int, max_staleness: int, total_steps: int) -> bool:
@@ -58,9 +69,10 @@ def _rollout(port: Any, requests: list[Any]) -> tuple[list[Any], dict[str, float
 class SyncRollout:
     """The rollout of step k runs when the loop asks for it.
 
-    ``collect(step, on_ready)``: with a port that can `submit_many` (the embedded engine),
-    ``on_ready(indices, trajectories)`` is called as each wave's samples finish, while the
-    next waves compute, so the loop can score them meanwhile (the reward overlaps the
+    ``collect(step, on_ready)``: with the embedded engine (a port that can `submit_many`),
+    ``on_ready(indices, trajectories)`` is called as each wave's samples finish, before the
+    next waves compute (in this thread: `EmbeddedEngine.generate_many` runs the waves in its
+    caller's thread), so the loop can hand them to a reward thread (the reward overlaps the
     rollout); the trajectories come back in request order either way."""
 
     def __init__(self, port: Any, requests_for: Callable[[int], list[Any]], version: int = 0):
@@ -73,23 +85,12 @@ class SyncRollout:
         self, step: int, on_ready: Callable[[list[int], list[Any]], None] | None = None
     ) -> list[Any]:
         requests = self.requests_for(step)
-        submit = getattr(self.port, "submit_many", None)
-        if on_ready is None or submit is None:
+        if on_ready is None or not hasattr(self.port, "submit_many"):
             trajs, self.stats = _rollout(self.port, requests)
             return trajs
+        # the embedded engine: its waves run in this thread, on_ready between them
         before = self.port.stats()
-        futures = submit(requests)
-        out: list[Any] = [None] * len(futures)
-        pending = set(range(len(futures)))
-        while pending:
-            concurrent.futures.wait(
-                [futures[i] for i in pending], return_when=concurrent.futures.FIRST_COMPLETED
-            )
-            ready = sorted(i for i in pending if futures[i].done())
-            for i in ready:
-                out[i] = futures[i].result()
-            pending.difference_update(ready)
-            on_ready(ready, [out[i] for i in ready])
+        trajs = self.port.generate_many(requests, on_ready=on_ready)
         after = self.port.stats()
         forwards = after.get("forwards", 0) - before.get("forwards", 0)
         self.stats = {
@@ -97,7 +98,7 @@ class SyncRollout:
             "rollout/rows_per_forward": (after.get("rows", 0) - before.get("rows", 0))
             / max(forwards, 1),
         }
-        return out
+        return trajs
 
     def push_weights(self, tensors: Any, version: int) -> None:
         self.port.update_weights(tensors, version)
@@ -117,7 +118,11 @@ class PrefetchRollout:
     """Rollouts launched ahead of the update, within `max_staleness` (module docstring).
 
     The rollouts run one at a time in one background thread, so the caller's thread stays
-    free for the update."""
+    free for the update. Both threads compute at once, so they split the caller's torch
+    threads (``torch.get_num_threads()`` at construction, T): the rollout thread takes
+    max(1, T // 2), the caller T minus that while a rollout is in flight, all T otherwise.
+    The sum never exceeds T: two teams of T OpenMP threads each on T cores would stop
+    libgomp's spin-waiting (see `diffusion_rollout.EmbeddedEngine`)."""
 
     def __init__(
         self,
@@ -136,8 +141,22 @@ class PrefetchRollout:
         self.version = version
         self.next_step = next_step
         self.launched: dict[int, _Launched] = {}
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
+        self.threads = torch.get_num_threads()
+        self.rollout_threads = max(1, self.threads // 2)
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            1,
+            thread_name_prefix="rollout-prefetch",
+            initializer=torch.set_num_threads,  # per thread: the OpenMP count is thread-local
+            initargs=(self.rollout_threads,),
+        )
         self.stats: dict[str, float] = {}
+
+    def _share_threads(self) -> None:
+        """The caller's torch threads: what the rollout thread leaves while one is in flight."""
+        in_flight = any(not item.future.done() for item in self.launched.values())
+        torch.set_num_threads(
+            max(1, self.threads - self.rollout_threads) if in_flight else self.threads
+        )
 
     def _launch_ready(self) -> None:
         while launchable(self.next_step, self.version, self.max_staleness, self.total_steps):
@@ -154,6 +173,7 @@ class PrefetchRollout:
         self._launch_ready()
         item = self.launched.pop(step)
         trajs, stats = item.future.result()
+        self._share_threads()
         self.stats = {**stats, "async/in_flight": float(len(self.launched))}
         return trajs
 
@@ -164,8 +184,53 @@ class PrefetchRollout:
         self.port.update_weights(tensors, version)
         self.version = version
         self._launch_ready()
+        self._share_threads()
 
     def close(self) -> None:
         for item in self.launched.values():
             item.future.cancel()
         self.pool.shutdown(wait=True)
+        torch.set_num_threads(self.threads)
+
+
+def free_cores(load: float, own: float, cores: int) -> int:
+    """Cores the other processes leave free: ``cores - max(0, load - own)``, rounded, in
+    ``[1, cores]``. ``load``: the 1-minute load average (runnable threads, ours included);
+    ``own``: this process's CPU seconds per second over the same stretch."""
+    others = max(0.0, load - own)
+    return max(1, min(cores, int(cores - others + 0.5)))
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class CoreShare:
+    """`trainer.threads: null` on a CPU, in the synchronous loop: before each step the
+    torch threads become `free_cores` of the machine (docs/performance.md).
+
+    With more busy threads than cores, an OpenMP team's workers spin on cores that other
+    processes want, and each small op waits for a worker that is not running: on 2 cores
+    at load 6-9 a tiny FlowGRPO step took 120 s with 2 torch threads and 1.5 s with 1
+    (`benchmarks/vs_reference_loop.py --threads 1`). On a quiet machine every core stays in.
+    """
+
+    def __init__(self) -> None:
+        self.cores = _cores()
+        self.threads = torch.get_num_threads()
+        self._t = time.monotonic()
+        self._cpu = time.process_time()
+
+    def update(self) -> int:
+        """Set and return this thread's torch threads for the next step."""
+        t, cpu = time.monotonic(), time.process_time()
+        own = (cpu - self._cpu) / max(t - self._t, 1e-3)
+        self._t, self._cpu = t, cpu
+        n = free_cores(os.getloadavg()[0], own, self.cores)
+        if n != self.threads:
+            torch.set_num_threads(n)
+            self.threads = n
+        return n
