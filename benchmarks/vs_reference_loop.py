@@ -176,7 +176,7 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
                 "output_dir": str(tmp / "run"),
                 "progress": False,
                 "sample_every": 0,
-                "threads": a.threads or None,
+                "threads": a.threads or "auto",
             },
         }
     )
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threads",
         type=int,
         default=0,
-        help="torch threads of every side (0: each side's default: ours trainer.threads null, "
+        help="torch threads of every side (0: each side's default: ours trainer.threads auto, "
         "the reference torch's default)",
     )
     ap.add_argument(

@@ -165,3 +165,17 @@ def test_free_cores_leaves_other_processes_their_share():
         assert 1 <= n <= share.cores and torch.get_num_threads() == n
     finally:
         torch.set_num_threads(before)
+
+
+def test_threads_auto_is_refused_where_it_does_not_apply(train_dict):
+    from omni_train.recipe import RecipeError, recipe_from_dict
+
+    d = train_dict()
+    d["trainer"].update(threads="auto")
+    assert recipe_from_dict(d).trainer.threads == "auto"  # local, sync: accepted
+    d["trainer"].update(mode="async")
+    with pytest.raises(RecipeError, match=r"trainer\.threads: `auto`"):
+        recipe_from_dict(d)
+    d["trainer"].update(mode="sync", threads=0)
+    with pytest.raises(RecipeError, match=r"trainer\.threads"):
+        recipe_from_dict(d)

@@ -299,7 +299,7 @@ def evaluate(
     if dest.exists() and not dest.is_dir():
         raise RecipeError(f"--out: {dest} is a file, not a folder")
 
-    if r.trainer.threads:
+    if isinstance(r.trainer.threads, int):
         torch.set_num_threads(r.trainer.threads)
     quiet_libraries()
     reward_key = "--reward" if reward is not None else "reward.name"

@@ -451,13 +451,20 @@ class TrainerConfig(_Section):
     )
     wandb_project: str = Field("omni-rl", description="wandb project name.")
     progress: bool = Field(True, description="Show a tqdm progress bar.")
-    threads: int | None = Field(
+    threads: int | Literal["auto"] | None = Field(
         None,
-        ge=1,
-        description="torch.set_num_threads (CPU). null: torch's default; on a CPU with the "
-        "local backend in sync mode, the cores other processes leave free, re-checked each "
-        "step (docs/performance.md).",
+        description="torch.set_num_threads (CPU). null: torch's default. `auto` (local "
+        "backend, sync mode, CPU): before each step, the cores other processes leave free "
+        "(docs/performance.md); faster on a loaded machine, but the thread count then follows "
+        "the load, so float results are no longer bit-for-bit repeatable.",
     )
+
+    @field_validator("threads")
+    @classmethod
+    def _threads_positive(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"must be >= 1 or `auto`, got {v}")
+        return v
 
     @field_validator("output_dir")
     @classmethod
@@ -529,6 +536,13 @@ class Recipe(_Section):
             problems.append(unknown_name("algorithm.name", "algorithm", a.name, ALGORITHMS))
         else:
             problems.extend(self._algorithm_problems(row))
+        if t.threads == "auto" and (t.backend != "local" or t.mode != "sync" or self.is_omni()):
+            problems.append(
+                "trainer.threads: `auto` follows the load on the local backend in sync mode "
+                f"for diffusion models; this recipe has backend {t.backend}, mode {t.mode}"
+                + (", an omni model" if self.is_omni() else "")
+                + ": give a number or null"
+            )
         if self.reward.distill is not None and self.reward.name != "latent":
             problems.append("reward.distill: only for `reward.name: latent`")
         if not self.reward.inputs or len(set(self.reward.inputs)) != len(self.reward.inputs):

@@ -170,7 +170,7 @@ def allowed_token_ids(adapter: Any, recipe: Recipe) -> list[int] | None:
 def make_local_ports(recipe: Recipe) -> Ports:
     """Learner, rollout and reward of `trainer.backend: local`."""
     r = recipe
-    if r.trainer.threads:
+    if isinstance(r.trainer.threads, int):
         torch.set_num_threads(r.trainer.threads)
     quiet_libraries()
     adapter = load_policy(r)

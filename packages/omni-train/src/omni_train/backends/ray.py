@@ -84,7 +84,8 @@ def _recipe(recipe_json: str) -> Recipe:
 
 
 def _threads(recipe: Recipe) -> None:
-    torch.set_num_threads(recipe.trainer.threads or 1)
+    threads = recipe.trainer.threads
+    torch.set_num_threads(threads if isinstance(threads, int) else 1)
 
 
 def pool_sizes(recipe: Recipe) -> dict[str, dict[str, float]]:

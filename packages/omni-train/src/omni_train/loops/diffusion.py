@@ -400,9 +400,9 @@ class DiffusionLoop:
         self.reward_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="reward", initializer=torch.set_num_threads, initargs=(1,)
         )
-        share = None  # trainer.threads null, on a CPU: the cores other processes leave
+        share = None  # trainer.threads auto, on a CPU: the cores other processes leave
         local_cpu = t.backend == "local" and r.model.device == "cpu"
-        if t.threads is None and t.mode == "sync" and local_cpu:
+        if t.threads == "auto" and t.mode == "sync" and local_cpu:
             share = CoreShare()
         try:
             for step in range(start, t.steps):
