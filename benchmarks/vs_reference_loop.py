@@ -64,16 +64,6 @@ MODELS = {
     "cpu": {"num_layers": 4, "num_attention_heads": 4, "attention_head_dim": 32},  # width 128
     "cpu-large": {"num_layers": 8, "num_attention_heads": 4, "attention_head_dim": 64},  # 256
 }
-LORA_TARGETS = [  # omni_adapters' SD3 LoRA targets (SD3_LORA_TARGETS)
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
-]
 RANK, ALPHA, LR, CLIP, NOISE = 8, 16.0, 1e-4, 1e-4, 0.7
 
 
@@ -292,6 +282,8 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
     from diffusers import StableDiffusion3Pipeline
     from peft import LoraConfig
 
+    from omni_adapters.families.sd3 import SD3_LORA_TARGETS  # the LoRA targets ours uses
+
     if a.threads:
         torch.set_num_threads(a.threads)
     pipe = StableDiffusion3Pipeline.from_pretrained(a.model, torch_dtype=torch.float32)
@@ -300,7 +292,9 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
     for m in (tr, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
         m.requires_grad_(False)
     tr.add_adapter(
-        LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights=True, target_modules=LORA_TARGETS)
+        LoraConfig(
+            r=RANK, lora_alpha=ALPHA, init_lora_weights=True, target_modules=list(SD3_LORA_TARGETS)
+        )
     )
     params = [p for p in tr.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR)

@@ -287,6 +287,18 @@ def checkpoints(ckpt_root: str | Path) -> list[Path]:
     return sorted(done, key=lambda p: p.name)
 
 
+def checkpoint_of_step(run: str | Path, step: int) -> Path:
+    """`run`'s checkpoint of step `step`, verified; `CheckpointError` listing the steps the
+    run has when there is none (the caller names its own option in front)."""
+    root = Path(run) / "checkpoint"
+    ck = root / f"step_{step:04d}"
+    if not (ck / "state.json").is_file():
+        have = sorted(q.name for q in root.glob("step_*"))
+        raise CheckpointError(f"{ck} is not a checkpoint; have: {have}")
+    verify_checkpoint(ck)
+    return ck
+
+
 def newest_good_checkpoint(ckpt_root: str | Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint that verifies, and why each newer one was passed over."""
     skipped = []

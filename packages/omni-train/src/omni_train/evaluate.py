@@ -57,7 +57,12 @@ from typing import Any
 import numpy as np
 import yaml
 
-from .checkpoint import load_checkpoint, newest_good_checkpoint, verify_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    checkpoint_of_step,
+    load_checkpoint,
+    newest_good_checkpoint,
+)
 from .data import read_data_file
 from .errors import TrainError
 from .loops.diffusion import group_stats, media_fields, still_frames
@@ -154,12 +159,10 @@ def eval_recipe(
 def _checkpoint(run: Path, step: int | None) -> Path:
     """Step `step`'s checkpoint (verified), else the newest one that verifies."""
     if step is not None:
-        ck = run / "checkpoint" / f"step_{step:04d}"
-        if not (ck / "state.json").is_file():
-            have = sorted(q.name for q in (run / "checkpoint").glob("step_*"))
-            raise TrainError(f"--checkpoint: {ck} is not a checkpoint; have: {have}")
-        verify_checkpoint(ck)
-        return ck
+        try:
+            return checkpoint_of_step(run, step)
+        except CheckpointError as e:
+            raise TrainError(f"--checkpoint: {e}") from None
     ck, skipped = newest_good_checkpoint(run / "checkpoint")
     for why in skipped:
         print(f"eval: {why}; falling back to an older checkpoint", file=sys.stderr)

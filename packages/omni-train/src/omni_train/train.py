@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from .algorithms import algorithm
-from .checkpoint import newest_good_checkpoint, verify_checkpoint
+from .checkpoint import CheckpointError, checkpoint_of_step, newest_good_checkpoint
 from .errors import TrainError
 from .logger import read_metrics
 from .recipe import Recipe, load_recipe
@@ -156,11 +156,10 @@ def resume(
     if not recipe_path.is_file():
         raise TrainError(f"resume: {run} is not a run folder (no recipe.yaml)")
     if checkpoint is not None:
-        ck = run / "checkpoint" / f"step_{checkpoint:04d}"
-        if not (ck / "state.json").is_file():
-            have = sorted(p.name for p in (run / "checkpoint").glob("step_*"))
-            raise TrainError(f"resume --checkpoint: {ck} is not a checkpoint; have: {have}")
-        verify_checkpoint(ck)
+        try:
+            ck = checkpoint_of_step(run, checkpoint)
+        except CheckpointError as e:
+            raise TrainError(f"resume --checkpoint: {e}") from None
     else:
         found = good_checkpoint(run)
         if found is None:
