@@ -269,7 +269,37 @@ def tests_vllm_omni(session: nox.Session) -> None:
     """The vllm-omni backend's contract tests against vllm-omni's own classes, in the lock's
     `vllm-omni` fork (vllm-omni 0.30 + vLLM 0.30 pin transformers, diffusers and torch apart
     from the workspace)."""
-    env_dir = _fork_env(session, "vllm-omni")
+    # diffusion-rollout's own `vllm-omni` extra, not the root's: synced through the root, the
+    # other members' torch pins win (torch 2.15 beside vLLM 0.30's CUDA libraries: torch does
+    # not import). The tests also build the tiny SD3 with omni-adapters, whose dependencies
+    # (diffusers, transformers, peft) this fork already holds at vllm-omni's versions.
+    env_dir = ROOT / ".nox" / "vllm-omni-env"
+    session.run(
+        "uv",
+        "sync",
+        "--locked",
+        "--quiet",
+        "--package",
+        "diffusion-rollout",
+        "--extra",
+        "vllm-omni",
+        "--extra",
+        "test",
+        env={"UV_PROJECT_ENVIRONMENT": str(env_dir)},
+        external=True,
+    )
+    session.run(
+        "uv",
+        "pip",
+        "install",
+        "--quiet",
+        "--python",
+        str(env_dir / "bin" / "python"),
+        "--no-deps",
+        "-e",
+        str(ROOT / "packages" / "omni-adapters"),
+        external=True,
+    )
     test_file = "packages/diffusion-rollout/tests/test_vllm_backend.py"
     _pytest(
         session,
