@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def _serve(model: Path) -> tuple[str, subprocess.Popen]:
     from diffusion_rollout import RolloutClient
 
     port = _free_port()
+    log = tempfile.TemporaryFile()  # its stderr, shown if it dies at start-up
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -70,11 +72,22 @@ def _serve(model: Path) -> tuple[str, subprocess.Popen]:
             "warning",
         ],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=log,
     )
     url = f"http://127.0.0.1:{port}"
-    RolloutClient(url).wait_ready(timeout_s=600)
-    return url, proc
+    deadline = time.monotonic() + 600  # a busy machine loads torch slowly
+    while True:
+        try:
+            RolloutClient(url).wait_ready(timeout_s=5)
+            return url, proc
+        except TimeoutError:
+            if proc.poll() is not None:  # it died at start-up: say so now, not in 10 minutes
+                log.seek(0)
+                err = log.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"diffusion-rollout serve exited with {proc.returncode}: {err}")
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
 
 
 def _det(rows):
