@@ -57,7 +57,7 @@ def _serve(model: Path) -> tuple[str, subprocess.Popen]:
     from diffusion_rollout import RolloutClient
 
     port = _free_port()
-    log = tempfile.TemporaryFile()  # its stderr, shown if it dies at start-up
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (its stderr, shown if it dies at start-up)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -84,7 +84,9 @@ def _serve(model: Path) -> tuple[str, subprocess.Popen]:
             if proc.poll() is not None:  # it died at start-up: say so now, not in 10 minutes
                 log.seek(0)
                 err = log.read().decode(errors="replace")[-2000:]
-                raise RuntimeError(f"diffusion-rollout serve exited with {proc.returncode}: {err}")
+                raise RuntimeError(
+                    f"diffusion-rollout serve exited with {proc.returncode}: {err}"
+                ) from None
             if time.monotonic() > deadline:
                 proc.kill()
                 raise
