@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,18 +59,30 @@ PROMPTS = [
     "a green apple on a table",
     "a castle on a hill",
 ]
-# transformer shapes on top of the tiny SD3's text encoders and VAE (omni_adapters.tiny)
-MODELS = {
+# transformer shapes on top of the tiny SD3's text encoders and VAE (omni_adapters.tiny); a
+# string names a released model of omni_adapters.published, built at full size (random weights)
+MODELS: dict[str, dict[str, int] | str | None] = {
     "tiny": None,  # 2 MMDiT blocks of width 32
     "cpu": {"num_layers": 4, "num_attention_heads": 4, "attention_head_dim": 32},  # width 128
     "cpu-large": {"num_layers": 8, "num_attention_heads": 4, "attention_head_dim": 64},  # 256
+    "sd35-medium": "sd35_medium",  # the released transformer (2.47B), GPU only
 }
 RANK, ALPHA, LR, CLIP, NOISE = 8, 16.0, 1e-4, 1e-4, 0.7
+# the full-size pipeline's text encoders: the released widths (T5 d_model 4096 = the
+# transformer's joint_attention_dim, CLIP projections 768 + 1280 = its pooled_projection_dim)
+# and token lengths (77 CLIP, 256 T5 tokens: 333 text tokens per sample, as released), but
+# TEXT_LAYERS layers each: the transformer is what the benchmark measures, and the 24-layer
+# T5-XXL (4.7B) would only add load time.
+TEXT_LAYERS = 2
+CLIP_TOKENS, T5_TOKENS = 77, 256
 
 
 # --------------------------------------------------------------------------- models
-def build_models(root: Path, names: list[str]) -> dict[str, Path]:
-    """The tiny SD3 and copies of it with a wider/deeper transformer (random weights)."""
+def build_models(
+    root: Path, names: list[str], device: str = "cpu", dtype: str = "float32"
+) -> dict[str, Path]:
+    """The tiny SD3, copies of it with a wider/deeper transformer, and full-size pipelines
+    (random weights; ``device``/``dtype``: where and in what a full-size one is built)."""
     import torch
     from diffusers import SD3Transformer2DModel
 
@@ -83,6 +96,9 @@ def build_models(root: Path, names: list[str]) -> dict[str, Path]:
             out[name] = base
             continue
         path = root / name
+        if isinstance(shape, str):
+            out[name] = build_full_size(path, shape, device=device, dtype=dtype)
+            continue
         shutil.copytree(base, path)
         cfg = SD3Transformer2DModel.load_config(base / "transformer")
         cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
@@ -95,14 +111,110 @@ def build_models(root: Path, names: list[str]) -> dict[str, Path]:
     return out
 
 
+def full_size_pipeline(
+    published_name: str,
+    device: str = "cpu",
+    text_layers: int = TEXT_LAYERS,
+    transformer_overrides: dict[str, Any] | None = None,
+):
+    """A ``StableDiffusion3Pipeline`` with the released transformer, VAE and scheduler
+    configs of ``omni_adapters.published`` (``transformer_overrides`` replace config values,
+    e.g. fewer layers for a CPU check), text encoders of the released widths with
+    ``text_layers`` layers, and character tokenizers (``omni_adapters.tokenizers_tiny``) of
+    the released lengths; random weights, made on ``device`` (``meta``: no memory at all)."""
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from omni_adapters import published
+    from omni_adapters.tokenizers_tiny import clip_tokenizer, t5_tokenizer
+
+    files = published.load(published_name).files
+
+    def config(rel: str, **overrides: Any) -> dict[str, Any]:
+        cfg = {k: v for k, v in files[rel].items() if not k.startswith("_")}
+        cfg.pop("architectures", None)
+        cfg.pop("model_type", None)
+        return {**cfg, **overrides}
+
+    toks = [clip_tokenizer(CLIP_TOKENS), clip_tokenizer(CLIP_TOKENS), t5_tokenizer(T5_TOKENS)]
+    # this tokenizer's ids (vocab, bos/eos/pad): the released CLIP configs' eos id 2 would
+    # make transformers pool at the argmax id instead of at the end-of-text token
+    ids = [
+        {
+            "vocab_size": len(t),
+            "bos_token_id": t.bos_token_id,
+            "eos_token_id": t.eos_token_id,
+            "pad_token_id": t.pad_token_id,
+        }
+        for t in toks
+    ]
+    ids[2].pop("bos_token_id")
+    with torch.device(device):  # built where it runs: no slow CPU init of billions
+        clips = [
+            CLIPTextModelWithProjection(
+                CLIPTextConfig(**config(rel, num_hidden_layers=text_layers, **ids[i]))
+            ).eval()
+            for i, rel in enumerate(("text_encoder/config.json", "text_encoder_2/config.json"))
+        ]
+        t5 = T5EncoderModel(
+            T5Config(
+                **config(
+                    "text_encoder_3/config.json",
+                    num_layers=text_layers,
+                    decoder_start_token_id=0,
+                    **ids[2],
+                )
+            )
+        ).eval()
+        transformer = SD3Transformer2DModel(
+            **config("transformer/config.json", **(transformer_overrides or {}))
+        )
+        vae = AutoencoderKL(**config("vae/config.json"))
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**config("scheduler/scheduler_config.json")),
+        vae=vae,
+        text_encoder=clips[0],
+        tokenizer=toks[0],
+        text_encoder_2=clips[1],
+        tokenizer_2=toks[1],
+        text_encoder_3=t5,
+        tokenizer_3=toks[2],
+    )
+
+
+def build_full_size(path: Path, published_name: str, device: str, dtype: str) -> Path:
+    """:func:`full_size_pipeline` built on ``device``, cast to ``dtype`` and saved (safetensors,
+    the diffusers pipeline layout) under ``path``, for both sides' ``from_pretrained``."""
+    import torch
+
+    torch.manual_seed(1)
+    pipe = full_size_pipeline(published_name, device=device)
+    pipe.to(torch_dtype=getattr(torch, dtype))
+    pipe.save_pretrained(path, safe_serialization=True)
+    del pipe
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return path
+
+
 # --------------------------------------------------------------------------- model timer
 class ModelTimer:
     """Seconds inside model forwards (forward hooks on the given modules) and inside
-    ``Tensor.backward`` (the backward runs through the transformer)."""
+    ``Tensor.backward`` (the backward runs through the transformer). On a GPU each of these
+    marks waits for the device first (``sync``), or it would time kernel launches, not
+    kernels; the same hooks on both sides, so both pay the same extra waits."""
 
-    def __init__(self, modules: list, transformers: list) -> None:
+    def __init__(self, modules: list, transformers: list, sync=lambda: None) -> None:
         import torch
 
+        self.sync = sync
         self.seconds = 0.0
         self.backward_s = 0.0  # the part of `seconds` inside Tensor.backward
         self.rows = 0  # transformer rows (batch entries) forwarded: the equal-work check
@@ -115,10 +227,12 @@ class ModelTimer:
         backward = torch.Tensor.backward
 
         def timed_backward(tensor, *args, **kwargs):
+            self.sync()
             t0 = time.perf_counter()
             try:
                 return backward(tensor, *args, **kwargs)
             finally:
+                self.sync()
                 self.seconds += time.perf_counter() - t0
                 self.backward_s += time.perf_counter() - t0
 
@@ -129,10 +243,30 @@ class ModelTimer:
         self.rows += int(x.shape[0])
 
     def _pre(self, module, args) -> None:
+        self.sync()
         self._t0[id(module)] = time.perf_counter()
 
     def _post(self, module, args, output) -> None:
+        self.sync()
         self.seconds += time.perf_counter() - self._t0.pop(id(module))
+
+
+def device_sync(device: str):
+    """A function that waits for the GPU's queued work (``torch.cuda.synchronize``) on a CUDA
+    device, and does nothing on the CPU."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def peak_gib(device: str) -> float:
+    """Peak GPU memory the process's tensors took (``torch.cuda.max_memory_allocated``), GiB;
+    0 on the CPU."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else 0.0
 
 
 # --------------------------------------------------------------------------- ours
@@ -145,7 +279,7 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
     recipe = recipe_from_dict(
         {
             "experiment": "vs_reference",
-            "model": {"path": a.model},
+            "model": {"path": a.model, "device": a.device, "dtype": a.dtype},
             "data": {"prompts": PROMPTS[: a.prompts], "prompts_per_step": a.prompts},
             "rollout": {
                 "n": a.n,
@@ -176,6 +310,9 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
         ctx.settings = dataclasses.replace(ctx.settings, measure_kl_ref=False)
     if a.child == "ours-thread":
         scheduler_thread_waves(ports.rollout)
+    sync = device_sync(a.device)
+    if a.device.startswith("cuda"):
+        end_phases_with_sync(ports.rollout, sync)
     comps = ports.learner.adapter.components
     mods = model_modules(comps)
     transformers = [comps["transformer"]]
@@ -183,7 +320,7 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
     if rollout_tr is not comps["transformer"]:  # the merged-LoRA rollout copy
         mods.append(rollout_tr)
         transformers.append(rollout_tr)
-    timer = ModelTimer(mods, transformers)
+    timer = ModelTimer(mods, transformers, sync)
     loop = DiffusionLoop(recipe, ports, tmp / "run")
     marks: list[float] = []
     step = loop.train_step
@@ -215,9 +352,31 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
             "rows": r["transformer_rows"],
             "backward": r["backward_s"],
             "reward_mean": r["reward/mean"],
+            "peak_gib": peak_gib(a.device),
         }
         for r in rows
     ]
+
+
+def end_phases_with_sync(engine, sync) -> None:
+    """On a GPU, our ``timing/rollout_s`` and ``timing/update_s`` end where
+    ``generate_many`` and ``update_weights`` (the weight sync into the rollout copy, the
+    update phase's last work) return, and the GPU may still be running their kernels then.
+    Wait for it at those two ends, as the reference loop does at the end of each phase."""
+    generate_many, update_weights = engine.generate_many, engine.update_weights
+
+    def synced_generate_many(*args, **kwargs):
+        out = generate_many(*args, **kwargs)
+        sync()
+        return out
+
+    def synced_update_weights(*args, **kwargs):
+        out = update_weights(*args, **kwargs)
+        sync()
+        return out
+
+    engine.generate_many = synced_generate_many
+    engine.update_weights = synced_update_weights
 
 
 def scheduler_thread_waves(engine) -> None:
@@ -269,7 +428,7 @@ def sde_logprob(x, v, sigma, sigma_next, sigma_max, prev=None, generator=None):
     mean = x * (1 + std**2 / (2 * sigma) * dt) + v * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
     scale = std * torch.sqrt(-dt)
     if prev is None:
-        eps = torch.randn(x.shape, generator=generator, dtype=x.dtype)
+        eps = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
         prev = mean + scale * eps
     lp = -((prev.detach() - mean) ** 2) / (2 * scale**2) - torch.log(scale)
     lp = lp - 0.5 * math.log(2 * math.pi)
@@ -286,7 +445,12 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    pipe = StableDiffusion3Pipeline.from_pretrained(a.model, torch_dtype=torch.float32)
+    dev = torch.device(a.device)
+    # the weights in --dtype, as ours loads them (model.dtype); the LoRA that add_adapter
+    # injects follows the base layers' dtype, as omni-adapters' add_lora (the same peft
+    # inject_adapter_in_model), so both sides train LoRA tensors of the same dtype
+    pipe = StableDiffusion3Pipeline.from_pretrained(a.model, torch_dtype=getattr(torch, a.dtype))
+    pipe.to(dev)
     pipe.set_progress_bar_config(disable=True)
     tr = pipe.transformer
     for m in (tr, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
@@ -298,11 +462,12 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
     )
     params = [p for p in tr.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR)
-    timer = ModelTimer(model_modules(pipe.components), [tr])
+    sync = device_sync(a.device)  # phases end once the GPU is done (ours: end_phases_with_sync)
+    timer = ModelTimer(model_modules(pipe.components), [tr], sync)
     sched = pipe.scheduler
     sched.set_timesteps(a.num_steps)
-    sigmas = sched.sigmas.float()  # S + 1 values, the last 0
-    timesteps = sched.timesteps.float()
+    sigmas = sched.sigmas.float().to(dev)  # S + 1 values, the last 0
+    timesteps = sched.timesteps.float().to(dev)
     sigma_max = sigmas[1].item()
     T = a.num_steps - 1
     prompts = [p for p in PROMPTS[: a.prompts] for _ in range(a.n)]  # each prompt n times
@@ -314,13 +479,16 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
     t5_len = min(256, int(pipe.tokenizer_3.model_max_length))
 
     def velocity(x, t, emb, pooled):
+        # latents and the SDE in float32, the transformer in its dtype: as ours does
+        # (omni-adapters' DiffusionAdapter.velocity / SD3Adapter.transformer_forward)
+        dt = tr.dtype
         return tr(
-            hidden_states=x,
-            timestep=t,
-            encoder_hidden_states=emb,
-            pooled_projections=pooled,
+            hidden_states=x.to(dt),
+            timestep=t.to(dt),
+            encoder_hidden_states=emb.to(dt),
+            pooled_projections=pooled.to(dt),
             return_dict=False,
-        )[0]
+        )[0].float()
 
     rows = []
     for step in range(a.warmup + a.steps):
@@ -338,8 +506,8 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
                     do_classifier_free_guidance=False,
                     max_sequence_length=t5_len,
                 )
-                g = torch.Generator().manual_seed(step * 100_000 + k)
-                x = torch.randn(len(batch), c, lat_hw, lat_hw, generator=g)
+                g = torch.Generator(dev).manual_seed(step * 100_000 + k)
+                x = torch.randn(len(batch), c, lat_hw, lat_hw, generator=g, device=dev)
                 lats, lps = [x], []
                 for i in range(a.num_steps):
                     v = velocity(x, timesteps[i].expand(len(batch)), emb, pooled)
@@ -349,7 +517,7 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
                     lats.append(x)
                     lps.append(lp)
                 z = x / vae.config.scaling_factor + vae.config.shift_factor
-                img = vae.decode(z, return_dict=False)[0]
+                img = vae.decode(z.to(vae.dtype), return_dict=False)[0].float()
                 img = ((img / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
                 samples.append(
                     {
@@ -360,12 +528,14 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
                         "img": img,
                     }
                 )
+        sync()
         t1 = time.perf_counter()
         # ---- reward after the whole rollout, then group-relative advantages
         rewards = torch.cat([s["img"].float().mean(dim=(1, 2, 3)) / 255 for s in samples])
-        r = rewards.double().numpy().reshape(a.prompts, a.n)
+        r = rewards.double().cpu().numpy().reshape(a.prompts, a.n)
         adv = (r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4)
-        adv = torch.from_numpy(np.clip(adv, -5, 5).reshape(-1)).float()
+        adv = torch.from_numpy(np.clip(adv, -5, 5).reshape(-1)).float().to(dev)
+        sync()
         t2 = time.perf_counter()
         # ---- update: one timestep at a time, gradients accumulated into one step
         gen = torch.Generator().manual_seed(step)
@@ -391,6 +561,7 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         t3 = time.perf_counter()
         rows.append(
             {
@@ -403,13 +574,24 @@ def run_reference(a: argparse.Namespace) -> list[dict[str, float]]:
                 "rows": timer.rows - rows0,
                 "backward": timer.backward_s - bw0,
                 "reward_mean": float(rewards.mean()),
+                "peak_gib": peak_gib(a.device),
             }
         )
     return rows
 
 
 # --------------------------------------------------------------------------- driver
-PHASES = ("rollout", "reward", "update", "step", "model", "threads", "rows", "backward")
+PHASES = (
+    "rollout",
+    "reward",
+    "update",
+    "step",
+    "model",
+    "threads",
+    "rows",
+    "backward",
+    "peak_gib",
+)
 SIDES = ("ours", "reference", "ours-thread")
 
 
@@ -421,7 +603,8 @@ def child(a: argparse.Namespace) -> None:
 
 def spawn(side: str, model: Path, a: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", side, "--model", str(model)]
-    for k in ("prompts", "n", "num_steps", "size", "batch", "warmup", "steps", "threads"):
+    keys = ("prompts", "n", "num_steps", "size", "batch", "warmup", "steps", "threads")
+    for k in (*keys, "device", "dtype"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.kl_metric:
         cmd.append("--kl-metric")
@@ -462,6 +645,13 @@ def main(argv: list[str] | None = None) -> int:
         help="keep our policy/kl_to_ref metric (two no-grad passes over one micro-batch after "
         "each update; off by default: the reference computes no such metric)",
     )
+    ap.add_argument("--device", default="cpu", help="torch device of both sides (cpu, cuda)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="weights dtype of both sides (ours: model.dtype; LoRA follows the weights)",
+    )
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -472,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         ap.error(f"--models: unknown {unknown} (known: {', '.join(MODELS)})")
+    full = [m for m in names if isinstance(MODELS[m], str)]
+    if full and not a.device.startswith("cuda"):
+        ap.error(f"--models: {full} are full size (billions of parameters): --device cuda")
     sides = [x.strip() for x in a.sides.split(",") if x.strip()]
     if "ours" not in sides or set(sides) - set(SIDES):
         ap.error(f"--sides: 'ours' and any of {', '.join(SIDES)}")
@@ -479,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     results = {}
     with tempfile.TemporaryDirectory(prefix="vsref-") as tmp:
-        paths = build_models(Path(tmp), names)
+        paths = build_models(Path(tmp), names, a.device, a.dtype)
         for name in names:
             got: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
             for rep in range(a.repeats):
@@ -494,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"N={a.prompts * a.n} ({a.prompts} prompts x {a.n}), {a.num_steps} steps, "
         f"{a.num_steps - 1} trained timesteps, {a.size}x{a.size}, batch {a.batch}, LoRA r{RANK}; "
+        f"{a.device}, {a.dtype}; "
         f"threads {a.threads or 'default'}, {os.cpu_count()} CPUs; median of {a.repeats} "
         f"interleaved process rounds x {a.steps} steps; policy/kl_to_ref "
         f"{'on' if a.kl_metric else 'off'}; load average "
@@ -534,6 +728,14 @@ def main(argv: list[str] | None = None) -> int:
             for name, res in results.items()
         )
     )
+    if a.device.startswith("cuda"):
+        print(
+            "peak GPU memory per process, GiB (torch.cuda.max_memory_allocated): "
+            + "; ".join(
+                f"{name}: " + ", ".join(f"{x} {res[x]['peak_gib']:.1f}" for x in sides)
+                for name, res in results.items()
+            )
+        )
     print(
         "torch threads (median): "
         + "; ".join(
