@@ -196,7 +196,7 @@ def build_full_size(path: Path, published_name: str, device: str, dtype: str) ->
 
     torch.manual_seed(1)
     pipe = full_size_pipeline(published_name, device=device)
-    pipe.to(torch_dtype=getattr(torch, dtype))
+    pipe.to(getattr(torch, dtype))
     pipe.save_pretrained(path, safe_serialization=True)
     del pipe
     if device.startswith("cuda"):
@@ -672,13 +672,21 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     results = {}
     with tempfile.TemporaryDirectory(prefix="vsref-") as tmp:
+        t0 = time.perf_counter()
         paths = build_models(Path(tmp), names, a.device, a.dtype)
+        # progress on stderr: a run cut off by a timeout still shows how far it got
+        print(f"built {names} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         for name in names:
             got: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
             for rep in range(a.repeats):
                 k = rep % len(sides)  # rotate the order every repeat
                 for side in sides[k:] + sides[:k]:
+                    t0 = time.perf_counter()
                     got[side].append(spawn(side, paths[name], a))
+                    took = time.perf_counter() - t0
+                    print(
+                        f"{name} {side} round {rep + 1}: {took:.0f} s", file=sys.stderr, flush=True
+                    )
             results[name] = {
                 side: {k: statistics.median(r[k] for r in runs) for k in PHASES}
                 for side, runs in got.items()
