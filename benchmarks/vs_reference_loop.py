@@ -19,6 +19,11 @@ timesteps, one optimizer step per RL step, brightness reward:
 ``--sides ours,reference,ours-thread`` adds ours with the waves in the engine's scheduler
 thread, as the engine ran them before (the thread penalty, docs/performance.md).
 
+``--device cuda --dtype bfloat16`` runs both sides on a GPU in bf16 (ours through the
+recipe's ``model.device`` / ``model.dtype``); ``--models sd35-medium`` is the released
+SD3.5-Medium transformer at full size with random weights (GPU only:
+benchmarks/device/vs_reference_sd35.sh).
+
 Each side runs in its OWN process (`--child`), repeats interleaved in rotating order; a child trains ``--warmup`` + ``--steps`` RL steps and reports the median of the
 measured steps per phase (rollout, reward, update, step), plus the time inside the model
 (transformer, VAE decoder, text encoders forwards, and ``backward``). The parent prints
@@ -27,6 +32,7 @@ of each step spent outside the model. Load average before and after is printed: 
 may be shared.
 
     uv run python benchmarks/vs_reference_loop.py                          # tiny + cpu
+    bash benchmarks/device/vs_reference_sd35.sh                            # H200, sd35-medium
     uv run python benchmarks/vs_reference_loop.py --models tiny,cpu,cpu-large --repeats 3
     uv run python benchmarks/vs_reference_loop.py --models tiny --sides ours,ours-thread
 """
