@@ -40,6 +40,7 @@ __all__ = [
     "is_saved_model",
     "load_family_modules",
     "load_module",
+    "module_dtype",
     "read_adapter_options",
     "read_architecture",
     "register_adapter",
@@ -271,6 +272,28 @@ def from_pretrained(path: str | os.PathLike[str], **options: Any) -> OmniModelBa
 
 def _has_files(folder: Path) -> bool:
     return folder.is_dir() and any(folder.iterdir())
+
+
+def module_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype a model computes in: that of its first floating-point parameter outside its
+    ``_keep_in_fp32_modules``, as diffusers' ``ModelMixin.dtype`` answers.
+
+    ``ModelMixin.dtype`` first walks every submodule looking for layerwise-casting hooks
+    (omni-rl attaches none); on a peft-wrapped transformer that walk took about 3.5 ms a call,
+    paid on every forward of the update: 14 % of a tiny model's update
+    (docs/performance.md). Equal to it on every family's tiny model, peft-wrapped and in
+    bfloat16 (tests/test_module_dtype.py)."""
+    keep = getattr(module, "_keep_in_fp32_modules", None) or ()
+    last = None
+    for name, param in module.named_parameters():
+        last = param.dtype
+        if any(k in name for k in keep):
+            continue
+        if param.is_floating_point():
+            return param.dtype
+    if last is None:
+        raise ValueError(f"module_dtype: {type(module).__name__} has no parameters")
+    return last
 
 
 def load_module(

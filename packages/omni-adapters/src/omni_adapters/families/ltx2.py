@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..base import load_module, register_adapter, write_adapter_options
+from ..base import load_module, module_dtype, register_adapter, write_adapter_options
 from ..diffusion import DiffusionAdapter, to_uint8
 from ..tiny import register_tiny
 
@@ -240,7 +240,7 @@ class LTX2Adapter(DiffusionAdapter):
     ) -> Tensor:
         pipe = _pipeline_cls()
         model = self.model
-        dt = model.dtype
+        dt = module_dtype(model)
         g = self.geometry(params)
         video, audio = self.split_latents(latents, params)
         p, pt = int(model.config.patch_size), int(model.config.patch_size_t)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..base import register_adapter, write_adapter_options
+from ..base import module_dtype, register_adapter, write_adapter_options
 from ..diffusion import DiffusionAdapter, to_uint8
 from ..tiny import register_tiny
 
@@ -186,7 +186,7 @@ class QwenImageAdapter(DiffusionAdapter):
         self, latents: Tensor, sigma: Tensor, condition: dict[str, Tensor], params: Any
     ) -> Tensor:
         b, _, h, w = latents.shape
-        dt = self.model.dtype
+        dt = module_dtype(self.model)
         out = self.model(
             hidden_states=pack(latents).to(dt),
             encoder_hidden_states=condition["prompt_embeds"].to(dt),

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..base import register_adapter, write_adapter_options
+from ..base import module_dtype, register_adapter, write_adapter_options
 from ..tiny import register_tiny
 from .qwen_image import EDIT_TEMPLATE, QwenImageAdapter, pack, tiny_qwen_components, unpack
 
@@ -215,7 +215,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         x = pack(latents)
         parts = [x] + [pack(cond[:, i].to(latents.dtype)) for i in range(cond.shape[1])]
         tokens = torch.cat(parts, dim=1)
-        dt = self.model.dtype
+        dt = module_dtype(self.model)
         shapes = [(1, h // 2, w // 2)] + [(1, ch // 2, cw // 2)] * cond.shape[1]
         out = self.model(
             hidden_states=tokens.to(dt),

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..base import register_adapter
+from ..base import module_dtype, register_adapter
 from ..diffusion import DiffusionAdapter
 from ..tiny import register_tiny
 
@@ -122,7 +122,7 @@ class SD3Adapter(DiffusionAdapter):
         self, latents: Tensor, sigma: Tensor, condition: dict[str, Tensor], params: Any
     ) -> Tensor:
         """``transformer(x, prompt_embeds, pooled, timestep=1000 sigma)``."""
-        dt = self.model.dtype
+        dt = module_dtype(self.model)
         return self.model(
             hidden_states=latents.to(dt),
             encoder_hidden_states=condition["prompt_embeds"].to(dt),

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ..base import register_adapter, write_adapter_options
+from ..base import module_dtype, register_adapter, write_adapter_options
 from ..diffusion import DiffusionAdapter, to_uint8
 from ..tiny import register_tiny
 
@@ -123,7 +123,7 @@ class Wan22Adapter(DiffusionAdapter):
     def _expert_forward(
         self, expert: nn.Module, latents: Tensor, sigma: Tensor, text: Tensor
     ) -> Tensor:
-        dt = expert.dtype
+        dt = module_dtype(expert)
         t = sigma * 1000.0
         if self.components["pipeline_config"]["expand_timesteps"]:
             _, _, f, h, w = latents.shape
