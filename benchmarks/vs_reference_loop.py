@@ -16,7 +16,10 @@ timesteps, one optimizer step per RL step, brightness reward:
   accumulated into one optimizer step. The code is ours; the formulas are the paper's
   (Flow-GRPO, Liu et al. 2025, eq. 9 and the clipped ratio objective).
 
-``--sides ours,reference,ours-thread`` adds ours with the waves in the engine's scheduler
+``--ours-batch K`` lets ours pack K rows into one forward in the rollout
+(`rollout.max_num_seqs`) and in the replay (`algorithm.rows_per_forward`, several window
+steps per forward) while the reference keeps its fixed batch; the rows forwarded per step
+stay equal (printed). ``--sides ours,reference,ours-thread`` adds ours with the waves in the engine's scheduler
 thread, as the engine ran them before (the thread penalty, docs/performance.md).
 
 ``--device cuda --dtype bfloat16`` runs both sides on a GPU in bf16 (ours through the
@@ -295,10 +298,14 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
                 "noise_level": NOISE,
                 "sde_window_size": a.num_steps - 1,
                 "sde_window_range": [0, a.num_steps - 1],
-                "max_num_seqs": a.batch,
+                "max_num_seqs": a.ours_batch or a.batch,
             },
             "reward": {"name": "brightness"},
-            "algorithm": {"name": "flow_grpo", "clip_range": CLIP, "rows_per_forward": a.batch},
+            "algorithm": {
+                "name": "flow_grpo",
+                "clip_range": CLIP,
+                "rows_per_forward": a.ours_batch or a.batch,
+            },
             "lora": {"rank": RANK, "alpha": ALPHA},
             "optimizer": {"lr": LR},
             "trainer": {
@@ -609,7 +616,17 @@ def child(a: argparse.Namespace) -> None:
 
 def spawn(side: str, model: Path, a: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", side, "--model", str(model)]
-    keys = ("prompts", "n", "num_steps", "size", "batch", "warmup", "steps", "threads")
+    keys = (
+        "prompts",
+        "n",
+        "num_steps",
+        "size",
+        "batch",
+        "ours_batch",
+        "warmup",
+        "steps",
+        "threads",
+    )
     for k in (*keys, "device", "dtype"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.kl_metric:
@@ -629,6 +646,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-steps", type=int, default=8, help="denoising steps (default 8)")
     ap.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")
     ap.add_argument("--batch", type=int, default=16, help="fixed batch B (default 16)")
+    ap.add_argument(
+        "--ours-batch",
+        type=int,
+        default=0,
+        help="ours: rows per forward in the rollout (rollout.max_num_seqs) and the replay "
+        "(algorithm.rows_per_forward); 0: --batch. The work (rows forwarded) stays equal: the "
+        "engine packs requests and the replay packs window steps into fewer, larger forwards",
+    )
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured RL steps per child")
     ap.add_argument("--steps", type=int, default=3, help="measured RL steps per child")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved child pairs")
@@ -700,7 +725,8 @@ def main(argv: list[str] | None = None) -> int:
     load1 = os.getloadavg()
     print(
         f"N={a.prompts * a.n} ({a.prompts} prompts x {a.n}), {a.num_steps} steps, "
-        f"{a.num_steps - 1} trained timesteps, {a.size}x{a.size}, batch {a.batch}, LoRA r{RANK}; "
+        f"{a.num_steps - 1} trained timesteps, {a.size}x{a.size}, batch {a.batch} "
+        f"(ours {a.ours_batch or a.batch} rows per forward), LoRA r{RANK}; "
         f"{a.device}, {a.dtype}; "
         f"threads {a.threads or 'default'}, {os.cpu_count()} CPUs; median of {a.repeats} "
         f"interleaved process rounds x {a.steps} steps; policy/kl_to_ref "
