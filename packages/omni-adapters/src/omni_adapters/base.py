@@ -282,7 +282,7 @@ def module_dtype(module: nn.Module) -> torch.dtype:
     (omni-rl attaches none); on a peft-wrapped transformer that walk took about 3.5 ms a call,
     paid on every forward of the update: 14 % of a tiny model's update
     (docs/performance.md). Equal to it on every family's tiny model, peft-wrapped and in
-    bfloat16 (tests/test_module_dtype.py)."""
+    bfloat16 (packages/omni-adapters/tests/test_module_dtype.py)."""
     keep = getattr(module, "_keep_in_fp32_modules", None) or ()
     last = None
     for name, param in module.named_parameters():
