@@ -19,7 +19,9 @@ timesteps, one optimizer step per RL step, brightness reward:
 ``--ours-batch K`` lets ours pack K rows into one forward in the rollout
 (`rollout.max_num_seqs`) and in the replay (`algorithm.rows_per_forward`, several window
 steps per forward) while the reference keeps its fixed batch; the rows forwarded per step
-stay equal (printed). ``--sides ours,reference,ours-thread`` adds ours with the waves in the engine's scheduler
+stay equal (printed).
+
+``--sides ours,reference,ours-thread`` adds ours with the waves in the engine's scheduler
 thread, as the engine ran them before (the thread penalty, docs/performance.md).
 
 ``--device cuda --dtype bfloat16`` runs both sides on a GPU in bf16 (ours through the
