@@ -756,35 +756,21 @@ def main(argv: list[str] | None = None) -> int:
         shares = [f"{1 - res[x]['model'] / res[x]['step']:.0%}" for x in sides]
         print(f"| {name} | " + " | ".join(shares) + " |")
     print()
-    print(
-        "seconds per step inside backward(): "
-        + "; ".join(
-            f"{name}: " + ", ".join(f"{x} {res[x]['backward']:.3f}" for x in sides)
+
+    def per_side(label: str, key: str, fmt: str) -> None:
+        cells = (
+            f"{name}: " + ", ".join(f"{x} {format(res[x][key], fmt)}" for x in sides)
             for name, res in results.items()
         )
-    )
-    print(
-        "transformer rows forwarded per step (equal work): "
-        + "; ".join(
-            f"{name}: " + ", ".join(f"{x} {res[x]['rows']:g}" for x in sides)
-            for name, res in results.items()
-        )
-    )
+        print(f"{label}: " + "; ".join(cells))
+
+    per_side("seconds per step inside backward()", "backward", ".3f")
+    per_side("transformer rows forwarded per step (equal work)", "rows", "g")
     if a.device.startswith("cuda"):
-        print(
-            "peak GPU memory per process, GiB (torch.cuda.max_memory_allocated): "
-            + "; ".join(
-                f"{name}: " + ", ".join(f"{x} {res[x]['peak_gib']:.1f}" for x in sides)
-                for name, res in results.items()
-            )
+        per_side(
+            "peak GPU memory per process, GiB (torch.cuda.max_memory_allocated)", "peak_gib", ".1f"
         )
-    print(
-        "torch threads (median): "
-        + "; ".join(
-            f"{name}: " + ", ".join(f"{x} {res[x]['threads']:g}" for x in sides)
-            for name, res in results.items()
-        )
-    )
+    per_side("torch threads (median)", "threads", "g")
     return 0
 
 
