@@ -170,3 +170,41 @@ def test_reward_tolerates_a_slightly_blurred_outline():
     blur = ImageFilter.GaussianBlur(0.4)
     imgs = [np.asarray(S.render(p, FRESH + 2 + i).filter(blur)) for i, p in enumerate(prompts)]
     assert reward(images=imgs, prompts=prompts).scores.mean() >= 0.97
+
+
+def _ragged(img: np.ndarray, p: float, rng: np.random.Generator) -> np.ndarray:
+    """Flip each pixel on an object's outline with probability ``p``: an object pixel to the
+    background, a background pixel to the colour of an object pixel next to it."""
+    out = img.copy()
+    obj = np.any(img != S.BACKGROUND, axis=-1)
+    h, w = obj.shape
+    for r, c in zip(*np.nonzero(rng.random((h, w)) < p)):
+        near = [(r + dr, c + dc) for dr, dc in ((-1, 0), (1, 0), (0, -1), (0, 1))
+                if 0 <= r + dr < h and 0 <= c + dc < w and obj[r + dr, c + dc] != obj[r, c]]  # fmt: skip
+        if near:
+            out[r, c] = S.BACKGROUND if obj[r, c] else img[near[0]]
+    return out
+
+
+def test_reward_tolerates_a_ragged_outline():
+    """A generator draws outlines a few pixels off: with 15% of the outline pixels flipped
+    the verdict holds (the IoU shape match), and a wrong caption still scores ~0."""
+    reward = load_reward("shapes")
+    rng = np.random.default_rng(FRESH + 3)
+    prompts = _heldout_prompts(200, FRESH + 3)
+    others = _heldout_prompts(200, FRESH + 4)
+    imgs = [_ragged(np.asarray(S.render(p, FRESH + 3 + i)), 0.15, rng)
+            for i, p in enumerate(prompts)]  # fmt: skip
+    assert reward(images=imgs, prompts=prompts).scores.mean() >= 0.95
+    pairs = [(img, q) for img, q, p in zip(imgs, others, prompts) if q != p]
+    wrong = reward(images=[img for img, _ in pairs], prompts=[q for _, q in pairs])
+    assert wrong.scores.mean() <= 0.05
+
+
+@pytest.mark.parametrize("shape", S.SHAPES)
+def test_shape_iou_is_one_on_the_drawn_shape_and_below_on_others(shape):
+    for seed in range(FRESH, FRESH + 20):  # sides 8-13 pixels
+        img = np.asarray(S.render(f"a {shape}", seed, 32))
+        pix = np.argwhere(np.any(img != S.BACKGROUND, axis=-1))
+        assert S.shape_iou(pix, shape) == 1.0
+        assert max(S.shape_iou(pix, other) for other in S.SHAPES if other != shape) < 0.9

@@ -36,9 +36,8 @@ train split never saw, e.g., a red triangle, three triangles, or a circle above 
 
 The reward (`ShapesReward`, registered as ``shapes``) segments the image by nearest palette
 colour (within a tolerance), takes the connected components of each colour as objects, names
-each object's shape by the nearest prototype of its shape features (box fill, corner fill,
-top/bottom fill, aspect ratio, solidity), and scores 1 when the
-objects are exactly those of the caption (shapes, count, colours, position), else 0, as
+each object's shape by the drawn shape it overlaps best (intersection over union, tolerant of
+a ragged outline), and scores 1 when the objects are exactly those of the caption (shapes, count, colours, position), else 0, as
 GenEval scores. Its details give each part separately.
 """
 
@@ -451,69 +450,46 @@ def _components(mask: np.ndarray) -> list[np.ndarray]:
     return comps
 
 
-def _solidity(pix: np.ndarray) -> float:
-    """Pixel area / area of the convex hull of the pixels' corners (Andrew's monotone chain,
-    shoelace formula): 1 for convex shapes, 7/9 for the cross of `_draw_shape`."""
-    corners = (pix[:, None, :] + np.array([[0, 0], [0, 1], [1, 0], [1, 1]])[None]).reshape(-1, 2)
-    pts = sorted(set(map(tuple, corners.tolist())))
-
-    def half(points):
-        out: list[tuple[int, int]] = []
-        for p in points:
-            while len(out) >= 2:
-                (ax, ay), (bx, by) = out[-2], out[-1]
-                if (bx - ax) * (p[1] - ay) - (by - ay) * (p[0] - ax) > 0:
-                    break
-                out.pop()
-            out.append(p)
-        return out
-
-    hull = half(pts)[:-1] + half(pts[::-1])[:-1]
-    xs, ys = np.array(hull, dtype=np.float64).T
-    area = 0.5 * abs(np.dot(xs, np.roll(ys, 1)) - np.dot(ys, np.roll(xs, 1)))
-    return float(len(pix) / area) if area > 0 else 1.0
-
-
-def _descriptor(pix: np.ndarray) -> np.ndarray:
-    """Shape features of a component, each in [0, 1] and robust to a ragged outline: the
-    filled fraction of its bounding box, the mean fill of the box's four corner cells (3x3
-    grid), the fill of the top third and of the bottom third, the aspect ratio
-    min(h, w) / max(h, w), and twice the solidity (area / convex hull area; weighted double
-    because it alone tells a cross from a ragged circle). Square: all full; circle: corners
-    partly full; cross: corners empty and not convex; triangle (apex up): top third sparse,
-    bottom third full."""
-    r0, c0 = pix.min(axis=0)
-    h, w = pix.max(axis=0) - (r0, c0) + 1
-    crop = np.zeros((h, w), dtype=np.float64)
-    crop[pix[:, 0] - r0, pix[:, 1] - c0] = 1.0
-    rows = np.array_split(crop, 3, axis=0)
-    cells = [[c.mean() if c.size else 0.0 for c in np.array_split(r, 3, axis=1)] for r in rows]
-    corners = (cells[0][0] + cells[0][2] + cells[2][0] + cells[2][2]) / 4
-    top = rows[0].mean() if rows[0].size else 0.0
-    bottom = rows[2].mean() if rows[2].size else 0.0
-    aspect = min(h, w) / max(h, w)
-    return np.array([crop.mean(), corners, top, bottom, aspect, 2 * _solidity(pix)])
-
-
 @cache
-def _prototypes() -> dict[str, np.ndarray]:
-    """Mean descriptor of each shape drawn by `_draw_shape` at sides 6..16."""
-    protos = {}
-    for shape in SHAPES:
-        descs = []
-        for s in range(6, 17):
-            img = Image.new("L", (s + 2, s + 2), 0)
-            _draw_shape(ImageDraw.Draw(img), shape, 1, 1, s, 255)
-            descs.append(_descriptor(np.argwhere(np.asarray(img) > 0)))
-        protos[shape] = np.mean(descs, axis=0)
-    return protos
+def _shape_template(shape: str, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pixels ((N, 2) rows, cols) that `_draw_shape` fills for ``shape`` in a box of
+    ``side``, and their centroid."""
+    img = Image.new("L", (side, side), 0)
+    _draw_shape(ImageDraw.Draw(img), shape, 0, 0, side, 255)
+    pix = np.argwhere(np.asarray(img) > 0)
+    return pix, pix.mean(axis=0)
 
 
-def _classify(pix: np.ndarray, max_distance: float) -> str | None:
-    d = _descriptor(pix)
-    dist = {s: float(np.linalg.norm(d - p)) for s, p in _prototypes().items()}
-    best = min(dist, key=dist.__getitem__)
-    return best if dist[best] <= max_distance else None
+def shape_iou(pix: np.ndarray, shape: str) -> float:
+    """How well a component (pixels as (N, 2) rows, cols) matches ``shape``: the best
+    intersection over union with the shape as `_draw_shape` draws it, over box sides within
+    2 pixels of the one whose area matches and over placements within 1 pixel of the
+    component's centroid. A ragged outline costs the few pixels it changes, so the verdict
+    survives it (a detector such as GenEval's is tolerant the same way); two different shapes
+    of equal area overlap at most ~0.83 (a circle and a square)."""
+    area = len(pix)
+    centroid = pix.mean(axis=0)
+    origin = pix.min(axis=0) - 24  # the canvas holds every tried placement
+    canvas = np.zeros(tuple(pix.max(axis=0) - origin + 25), dtype=bool)
+    canvas[pix[:, 0] - origin[0], pix[:, 1] - origin[1]] = True
+    fill = len(_shape_template(shape, 12)[0]) / 144
+    side0 = int(np.sqrt(area / fill))
+    best = 0.0
+    for side in range(max(3, side0 - 2), side0 + 3):
+        tpix, tcentroid = _shape_template(shape, side)
+        base = np.round(centroid - origin - tcentroid).astype(int)
+        for dr, dc in itertools.product((-1, 0, 1), repeat=2):
+            rows = tpix[:, 0] + base[0] + dr
+            cols = tpix[:, 1] + base[1] + dc
+            inter = int(canvas[rows, cols].sum())
+            best = max(best, inter / (area + len(tpix) - inter))
+    return best
+
+
+def _classify(pix: np.ndarray, min_iou: float) -> str | None:
+    ious = {shape: shape_iou(pix, shape) for shape in SHAPES}
+    best = max(ious, key=ious.__getitem__)
+    return best if ious[best] >= min_iou else None
 
 
 def detect_objects(
@@ -521,15 +497,15 @@ def detect_objects(
     *,
     tolerance: float = 60.0,
     min_area: float = 0.012,
-    max_shape_distance: float = 0.6,
+    min_shape_iou: float = 0.5,
 ) -> list[DetectedObject]:
     """The objects in a uint8 (H, W, 3) image.
 
     Each pixel takes the nearest colour of `COLORS` plus `BACKGROUND` if it lies within
     ``tolerance`` (Euclidean RGB distance), else none. Each 4-connected region of one
     palette colour with at least ``min_area * H * W`` pixels is an object (smaller specks
-    are ignored); its shape is the `SHAPES` prototype nearest to its descriptor (`_descriptor`:
-    box fill, corners, top/bottom thirds, aspect ratio, solidity), or None when that distance exceeds ``max_shape_distance``.
+    are ignored); its shape is the one of `SHAPES` it overlaps best (`shape_iou`), or None when
+    that best intersection over union is below ``min_shape_iou``.
     """
     img = np.asarray(image, dtype=np.float64)[..., :3]
     names = [*COLORS, "background"]
@@ -544,7 +520,7 @@ def detect_objects(
             if len(pix) < floor:
                 continue
             cy, cx = pix.mean(axis=0)
-            shape = _classify(pix, max_shape_distance)
+            shape = _classify(pix, min_shape_iou)
             objects.append(DetectedObject(name, shape, (float(cx), float(cy)), len(pix)))
     return objects
 
@@ -609,18 +585,18 @@ class ShapesReward(Reward):
         *,
         tolerance: float = 60.0,
         min_area: float = 0.012,
-        max_shape_distance: float = 0.6,
+        min_shape_iou: float = 0.5,
         batch_size: int | None = None,
         workers: int = 1,
     ) -> None:
         super().__init__(batch_size=batch_size, workers=workers)
         for key, v in (("tolerance", tolerance), ("min_area", min_area),
-                       ("max_shape_distance", max_shape_distance)):  # fmt: skip
+                       ("min_shape_iou", min_shape_iou)):  # fmt: skip
             if not float(v) > 0:
                 raise ValueError(f"{key}: must be > 0, got {v}")
         self.tolerance = float(tolerance)
         self.min_area = float(min_area)
-        self.max_shape_distance = float(max_shape_distance)
+        self.min_shape_iou = float(min_shape_iou)
 
     def score_batch(self, inp: RewardInput) -> RewardOutput:
         images = inp.image_list(self.name)
@@ -637,7 +613,7 @@ class ShapesReward(Reward):
                 img,
                 tolerance=self.tolerance,
                 min_area=self.min_area,
-                max_shape_distance=self.max_shape_distance,
+                min_shape_iou=self.min_shape_iou,
             )
             rows.append((check_image(cap, objects), len(objects)))
         scores = np.array([r["correct"] for r, _ in rows], dtype=np.float32)
