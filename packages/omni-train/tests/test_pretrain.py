@@ -29,6 +29,8 @@ TINY = [
     "train.steps=3",
     "train.batch_size=4",
     "train.warmup_steps=2",
+    "train.decay_steps=2",
+    "train.timestep_shift=3",
     "sample.prompts=2",
     "sample.per_prompt=1",
     "sample.num_steps=2",
@@ -59,6 +61,9 @@ def test_pretrain_writes_a_model_that_loads_and_samples(tmp_path: Path, capsys) 
         assert (a / f).is_file(), f
     rows = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["stage"] == "flow"] == [1, 2, 3]
+    # warm-up over 2 steps, then the fall to 0 over the last 2 (it reaches 1/2 at the last)
+    lr = load_pretrain_config("shapes_sd3").train.lr
+    assert [r["lr"] for r in rows if r["stage"] == "flow"] == [lr / 2, lr, lr / 2]
     assert all(np.isfinite(r["loss"]) for r in rows if r["stage"] == "flow")
     ev = json.loads((a / "eval.json").read_text())
     assert ev["n"] == 2 and 0.0 <= ev["accuracy"] <= 1.0
@@ -94,6 +99,8 @@ def test_pretrain_config_errors_name_the_key(tmp_path: Path, capsys) -> None:
     assert "train.stepz" in capsys.readouterr().err
     assert main(["pretrain", "shapes_sd3", "model.image_size=30"]) == 2
     assert "model.image_size" in capsys.readouterr().err
+    assert main(["pretrain", "shapes_sd3", "train.timestep_shift=0"]) == 2
+    assert "train.timestep_shift" in capsys.readouterr().err
     assert main(["pretrain", str(tmp_path / "nope.yaml")]) == 2
     assert "not found" in capsys.readouterr().err
     cfg = load_pretrain_config("shapes_sd3", ["train.steps=7"])

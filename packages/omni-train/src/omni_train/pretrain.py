@@ -16,13 +16,15 @@ Two stages, both deterministic given ``seed`` (same machine, same thread count):
    Rectified Flow Transformers for High-Resolution Image Synthesis", Sec. 2-3; the loss of
    flow_grpo's SFT baseline): ``x0 = (z - shift) * scale``, ``eps ~ N(0, I)``,
    ``x_t = (1 - t) x0 + t eps``, ``loss = || v_theta(x_t, 1000 t, text) - (eps - x0) ||^2``,
-   ``t`` logit-normal (``sigmoid(N(0, 1))``, the paper's default) or uniform. A fraction
+   ``t`` logit-normal (``sigmoid(N(0, 1))``, the paper's default) or uniform, then shifted
+   as SD3 shifts timesteps for resolution (``s t / (1 + (s - 1) t)``, paper Sec. 5.3.2;
+   ``train.timestep_shift``, 1 = none). A fraction
    ``caption_dropout`` of captions is replaced by ``""`` so classifier-free guidance works.
 
 Each step draws ``batch_size`` captions of the split (`omni_rewards.shapes.sample_caption`:
 a task type uniformly, then a caption) and renders each with its own seed. The learning rate
-warms up linearly and then stays constant, so a checkpoint at step N of a longer run is the
-N-step run. The run folder gets ``model/`` (the final pipeline), ``metrics.jsonl`` (one row per
+warms up linearly, stays constant and falls linearly to 0 over the last ``decay_steps``, so a
+checkpoint at step N of a longer run, before its decay, is the N-step run without decay. The run folder gets ``model/`` (the final pipeline), ``metrics.jsonl`` (one row per
 step), ``loss_curve.png``, optional ``checkpoints/step_N/`` and, after training,
 ``samples.png``: ODE samples of held-out captions, labelled with the `shapes` verdict, and
 the held-out accuracy in ``eval.json``.
@@ -98,6 +100,16 @@ class FlowStage(_Section):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    timestep_shift: float = Field(
+        1.0,
+        gt=0,
+        description="SD3's timestep shift applied to the drawn t: s t / (1 + (s - 1) t); "
+        "above 1 trains the high-noise steps, where the sampler (shift 3) spends its first "
+        "steps and the layout is decided, more often",
+    )
+    decay_steps: int = Field(
+        0, ge=0, description="the learning rate falls linearly to 0 over the last N steps"
+    )
     caption_dropout: float = Field(0.1, ge=0, lt=1)
     save_every: int = Field(0, ge=0, description="checkpoints/step_N every N steps (0: none)")
 
@@ -288,9 +300,13 @@ def _world_batch(
 
 
 def _lr_at(step: int, stage: FlowStage) -> float:
-    """Linear warmup over ``warmup_steps``, then constant."""
+    """Linear warmup over ``warmup_steps``, constant, then a linear fall to 0 over the last
+    ``decay_steps`` (warmup-stable-decay)."""
     if stage.warmup_steps and step < stage.warmup_steps:
         return stage.lr * (step + 1) / stage.warmup_steps
+    left = stage.steps - step
+    if stage.decay_steps and left <= stage.decay_steps:
+        return stage.lr * left / stage.decay_steps
     return stage.lr
 
 
@@ -355,6 +371,8 @@ def _flow_loss(adapter, x: torch.Tensor, caps: list[str], cfg: PretrainConfig, g
         t = torch.sigmoid(torch.randn(b, generator=gen))
     else:
         t = torch.rand(b, generator=gen)
+    shift = st.timestep_shift
+    t = shift * t / (1 + (shift - 1) * t)
     eps = torch.randn(x0.shape, generator=gen)
     tb = t.view(b, 1, 1, 1)
     xt = (1 - tb) * x0 + tb * eps
