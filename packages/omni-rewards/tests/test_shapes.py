@@ -149,6 +149,11 @@ def test_reward_details_name_the_failing_part():
     assert out.details["count"][4] == 0 and np.isnan(out.details["position"][4])
     assert out.details["task_position"][:4].tolist() == [1, 0, 0, 0]
     assert np.isnan(out.details["task_position"][4]) and out.details["task_counting"][4] == 0
+    # partial credit: the mean of the caption's parts; the strict verdict stays in the details
+    partial = load_reward("shapes", partial_credit=True)(images=[img] * 5, prompts=prompts)
+    assert partial.scores.tolist() == [1, 0.75, 0.75, 0.25, 0]
+    assert partial.details["correct"].tolist() == out.scores.tolist() == [1, 0, 0, 0, 0]
+    assert partial.details["task_position"][:4].tolist() == [1, 0, 0, 0]
 
 
 def test_blank_and_noise_images_score_zero():

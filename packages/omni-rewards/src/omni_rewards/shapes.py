@@ -572,10 +572,16 @@ class ShapesReward(Reward):
     ``prompts`` in the grammar of this module; a prompt outside it raises `CaptionError`
     naming the prompt and its index.
 
-    ``details``: ``count``, ``object``, ``colour``, ``position`` (0/1 per part, NaN where
-    the caption has no such part), ``n_objects`` (objects detected), and ``task_<type>`` for
-    each of `TASKS` (the score for prompts of that type, NaN for the others, so a mean over
-    the batch that ignores NaN is the per-task accuracy).
+    ``partial_credit=True`` scores the mean of the caption's parts instead (count, object,
+    and colour and position where the caption has them; each part needs the ones before it,
+    see `check_image`): a denser signal for RL from a weak model; the strict verdict stays in
+    the details.
+
+    ``details``: ``correct`` (the strict 0/1 verdict), ``count``, ``object``, ``colour``,
+    ``position`` (0/1 per part, NaN where the caption has no such part), ``n_objects``
+    (objects detected), and ``task_<type>`` for each of `TASKS` (the strict verdict for
+    prompts of that type, NaN for the others, so a mean over the batch that ignores NaN is
+    the per-task accuracy).
     """
 
     name = "shapes"
@@ -586,6 +592,7 @@ class ShapesReward(Reward):
         tolerance: float = 60.0,
         min_area: float = 0.012,
         min_shape_iou: float = 0.5,
+        partial_credit: bool = False,
         batch_size: int | None = None,
         workers: int = 1,
     ) -> None:
@@ -597,6 +604,7 @@ class ShapesReward(Reward):
         self.tolerance = float(tolerance)
         self.min_area = float(min_area)
         self.min_shape_iou = float(min_shape_iou)
+        self.partial_credit = bool(partial_credit)
 
     def score_batch(self, inp: RewardInput) -> RewardOutput:
         images = inp.image_list(self.name)
@@ -616,15 +624,20 @@ class ShapesReward(Reward):
                 min_shape_iou=self.min_shape_iou,
             )
             rows.append((check_image(cap, objects), len(objects)))
-        scores = np.array([r["correct"] for r, _ in rows], dtype=np.float32)
         details = {
             k: np.array([r[k] for r, _ in rows], dtype=np.float32)
-            for k in ("count", "object", "colour", "position")
+            for k in ("correct", "count", "object", "colour", "position")
         }
+        if self.partial_credit:
+            parts = np.stack([details[k] for k in ("count", "object", "colour", "position")])
+            scores = np.nanmean(parts, axis=0).astype(np.float32)
+        else:
+            scores = details["correct"].copy()
         details["n_objects"] = np.array([n for _, n in rows], dtype=np.float32)
-        for task in TASKS:
+        for task in TASKS:  # GenEval's strict verdict, whatever the score
             details[f"task_{task}"] = np.array(
-                [s if c.task == task else np.nan for s, c in zip(scores, caps)], dtype=np.float32
+                [s if c.task == task else np.nan for s, c in zip(details["correct"], caps)],
+                dtype=np.float32,
             )
         return RewardOutput(scores, details)
 
