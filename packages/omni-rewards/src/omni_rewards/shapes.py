@@ -37,8 +37,8 @@ train split never saw, e.g., a red triangle, three triangles, or a circle above 
 The reward (`ShapesReward`, registered as ``shapes``) segments the image by nearest palette
 colour (within a tolerance), takes the connected components of each colour as objects, names
 each object's shape by the drawn shape it overlaps best (intersection over union, tolerant of
-a ragged outline), and scores 1 when the objects are exactly those of the caption (shapes, count, colours, position), else 0, as
-GenEval scores. Its details give each part separately.
+a ragged outline), and scores 1 when the objects are exactly those of the caption (shapes,
+count, colours, position), else 0, as GenEval scores. Its details give each part separately.
 """
 
 from __future__ import annotations

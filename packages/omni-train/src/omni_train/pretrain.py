@@ -18,14 +18,15 @@ Two stages, both deterministic given ``seed`` (same machine, same thread count):
    ``x_t = (1 - t) x0 + t eps``, ``loss = || v_theta(x_t, 1000 t, text) - (eps - x0) ||^2``,
    ``t`` logit-normal (``sigmoid(N(0, 1))``, the paper's default) or uniform, then shifted
    as SD3 shifts timesteps for resolution (``s t / (1 + (s - 1) t)``, paper Sec. 5.3.2;
-   ``train.timestep_shift``, 1 = none). A fraction
-   ``caption_dropout`` of captions is replaced by ``""`` so classifier-free guidance works.
+   ``train.timestep_shift``, 1 = none). A fraction ``caption_dropout`` of captions is
+   replaced by ``""`` so classifier-free guidance works.
 
 Each step draws ``batch_size`` captions of the split (`omni_rewards.shapes.sample_caption`:
 a task type uniformly, then a caption) and renders each with its own seed. The learning rate
 warms up linearly, stays constant and falls linearly to 0 over the last ``decay_steps``, so a
-checkpoint at step N of a longer run, before its decay, is the N-step run without decay. The run folder gets ``model/`` (the final pipeline), ``metrics.jsonl`` (one row per
-step), ``loss_curve.png``, optional ``checkpoints/step_N/`` and, after training,
+checkpoint at step N of a longer run, before its decay, is the N-step run without decay. The
+run folder gets ``model/`` (the final pipeline), ``metrics.jsonl`` (one row per step),
+``loss_curve.png``, optional ``checkpoints/step_N/`` and, after training,
 ``samples.png``: ODE samples of held-out captions, labelled with the `shapes` verdict, and
 the held-out accuracy in ``eval.json``.
 """
