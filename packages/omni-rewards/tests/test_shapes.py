@@ -156,6 +156,12 @@ def test_reward_details_name_the_failing_part():
     assert partial.details["task_position"][:4].tolist() == [1, 0, 0, 0]
 
 
+@pytest.mark.parametrize("value", [0.0, 1.5])
+def test_min_shape_iou_out_of_range_names_the_option(value):
+    with pytest.raises(ValueError, match="min_shape_iou"):
+        load_reward("shapes", min_shape_iou=value)
+
+
 def test_blank_and_noise_images_score_zero():
     reward = load_reward("shapes")
     rng = np.random.default_rng(FRESH)

@@ -601,6 +601,8 @@ class ShapesReward(Reward):
                        ("min_shape_iou", min_shape_iou)):  # fmt: skip
             if not float(v) > 0:
                 raise ValueError(f"{key}: must be > 0, got {v}")
+        if float(min_shape_iou) > 1:  # an intersection over union is at most 1: nothing would match
+            raise ValueError(f"min_shape_iou: must be <= 1, got {min_shape_iou}")
         self.tolerance = float(tolerance)
         self.min_area = float(min_area)
         self.min_shape_iou = float(min_shape_iou)
