@@ -56,7 +56,7 @@ def test_same_seed_same_json_grid_and_keys(
     tiny_sd3: Path, prompt_file: Path, tmp_path: Path, capsys
 ) -> None:
     """One JSON object on stdout, the same for the same command; eval.json holds it; the grid
-    has one row per prompt and one column per sample; another seed samples other images."""
+    has a block per prompt (its title, its samples); another seed samples other images."""
     out = tmp_path / "out"
     args = [str(tiny_sd3), "--prompts", str(prompt_file), "--reward", "brightness"]
     args += ["--n", "3", "--seed", "7", "--out", str(out), *SMALL]
@@ -76,8 +76,9 @@ def test_same_seed_same_json_grid_and_keys(
     assert result["stderr"] == pytest.approx(np.std(scores) / np.sqrt(6), abs=1e-9)
     assert json.loads((out / "eval.json").read_text()) == result
     grid = Image.open(out / "grid.png")
-    # save_sample_grid: 32 px tiles upscaled x3, 2 px gaps, a title line per row, a caption
-    assert grid.size == (3 * (96 + 2) + 2, 2 * (12 + 96 + 12 + 2) + 2)
+    # save_prompt_grid: 32 px tiles upscaled x3, 2 px gaps; two blocks of 3 fit a row of 8, each
+    # a title line, the tiles and a caption line
+    assert grid.size == (2 * (3 * (96 + 2) + 4) + 2, (12 + 96 + 12 + 2) + 4 + 2)
 
     rc, second, _ = _eval_cli(capsys, *args)
     assert rc == 0 and second == first

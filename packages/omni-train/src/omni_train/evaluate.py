@@ -67,7 +67,7 @@ from .data import read_data_file
 from .errors import TrainError
 from .loops.diffusion import group_stats, media_fields, still_frames
 from .models import ensure_model, is_saved_model, load_policy, load_trainable, quiet_libraries
-from .plots import save_sample_grid
+from .plots import save_prompt_grid
 from .recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict, unknown_name
 from .rewards import build_reward
 from .seeds import DOMAIN_VAL, derive_seed
@@ -382,12 +382,8 @@ def evaluate(
     for i, entry in enumerate(summary["per_prompt"]):
         entry["distinct"] = len({m.tobytes() for m in media[i * n : (i + 1) * n]})
     dest.mkdir(parents=True, exist_ok=True)
-    save_sample_grid(
-        still_frames(media),
-        dest / "grid.png",
-        cols=n,
-        labels=[f"{s:.2f}" for s in scores],
-        row_labels=prompts,
+    save_prompt_grid(
+        still_frames(media), dest / "grid.png", prompts, n, labels=[f"{s:.2f}" for s in scores]
     )
     (dest / "eval.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+# PIL's default bitmap font: ~6 pixels per character, 11 per line (+1 spacing)
+CHAR, LINE = 6, 12
+WHITE = (255, 255, 255)
 
 
 def plot_reward_curve(
@@ -59,36 +64,86 @@ def image_grid(
     cols: int,
     labels: list[str] | None = None,
     scale: int = 1,
-    row_labels: list[str] | None = None,
 ) -> Image.Image:
-    """Tile uint8 images (B, H, W, 3) into a grid with an optional caption under each and an
-    optional title line above each row (e.g. the prompt of a group)."""
-    images = np.asarray(images)
-    if images.ndim != 4 or images.shape[-1] != 3:
-        raise ValueError(f"image_grid: expected (B, H, W, 3) uint8, got shape {images.shape}")
+    """Tile uint8 images (B, H, W, 3) into a grid with an optional caption under each."""
+    images = _check_images(images)
     b, h, w, _ = images.shape
     cols = max(1, min(cols, b))
     rows = math.ceil(b / cols)
-    cap = 12 if labels else 0
-    head = 12 if row_labels else 0
+    cap = LINE if labels else 0
     hs, ws = h * scale, w * scale
-    width = cols * (ws + 2) + 2
-    grid = Image.new("RGB", (width, rows * (head + hs + cap + 2) + 2), (255, 255, 255))
+    grid = Image.new("RGB", (cols * (ws + 2) + 2, rows * (hs + cap + 2) + 2), WHITE)
     draw = ImageDraw.Draw(grid)
-    for r in range(rows if row_labels else 0):
-        if r < len(row_labels):  # type: ignore[arg-type]
-            text = row_labels[r][: max(8, width // 6)]  # type: ignore[index]
-            draw.text((3, 2 + r * (head + hs + cap + 2)), text, fill=(0, 0, 128))
     for i in range(b):
         r, c = divmod(i, cols)
-        x, y = 2 + c * (ws + 2), 2 + r * (head + hs + cap + 2) + head
-        tile = Image.fromarray(images[i].astype(np.uint8))
-        if scale != 1:
-            tile = tile.resize((ws, hs), Image.NEAREST)
-        grid.paste(tile, (x, y))
+        x, y = 2 + c * (ws + 2), 2 + r * (hs + cap + 2)
+        _paste(grid, images[i], x, y, scale)
         if labels:
-            draw.text((x + 1, y + hs), labels[i][: max(4, ws // 6)], fill=(0, 0, 0))
+            draw.text((x + 1, y + hs), labels[i][: max(4, ws // CHAR)], fill=(0, 0, 0))
     return grid
+
+
+def prompt_grid(
+    images: np.ndarray,
+    prompts: list[str],
+    per_prompt: int,
+    labels: list[str] | None = None,
+    scale: int = 1,
+    max_cols: int = 8,
+) -> Image.Image:
+    """One block per prompt: the prompt, wrapped to the block's width, above its `per_prompt`
+    samples (images ``i * per_prompt ... (i + 1) * per_prompt - 1``), each captioned with its
+    label (e.g. the reward). Blocks fill rows of at most `max_cols` images (at least one block
+    per row), so many prompts with one sample each make a readable page, not one column."""
+    images = _check_images(images)
+    b, h, w, _ = images.shape
+    if per_prompt < 1 or len(prompts) * per_prompt != b:
+        raise ValueError(
+            f"prompt_grid: {len(prompts)} prompts x per_prompt {per_prompt} != {b} images"
+        )
+    hs, ws = h * scale, w * scale
+    per_row = max(1, max_cols // per_prompt)  # blocks per row
+    block_w = per_prompt * (ws + 2)
+    chars = max(8, (block_w - 4) // CHAR)
+    titles = [textwrap.wrap(p, chars)[:4] or [""] for p in prompts]
+    head = LINE * max(len(t) for t in titles)
+    cap = LINE if labels else 0
+    rows = math.ceil(len(prompts) / per_row)
+    row_h = head + hs + cap + 2
+    grid = Image.new(
+        "RGB", (min(per_row, len(prompts)) * (block_w + 4) + 2, rows * (row_h + 4) + 2), WHITE
+    )
+    draw = ImageDraw.Draw(grid)
+    for g, title in enumerate(titles):
+        r, c = divmod(g, per_row)
+        x0, y0 = 2 + c * (block_w + 4), 2 + r * (row_h + 4)
+        draw.text((x0 + 1, y0), "\n".join(title), fill=(0, 0, 128), spacing=1)
+        for k in range(per_prompt):
+            i = g * per_prompt + k
+            x, y = x0 + k * (ws + 2), y0 + head
+            _paste(grid, images[i], x, y, scale)
+            if labels:
+                draw.text((x + 1, y + hs), labels[i][: max(4, ws // CHAR)], fill=(0, 0, 0))
+    return grid
+
+
+def _check_images(images: np.ndarray) -> np.ndarray:
+    images = np.asarray(images)
+    if images.ndim != 4 or images.shape[-1] != 3:
+        raise ValueError(f"image grid: expected (B, H, W, 3) uint8, got shape {images.shape}")
+    return images
+
+
+def _paste(grid: Image.Image, image: np.ndarray, x: int, y: int, scale: int) -> None:
+    tile = Image.fromarray(image.astype(np.uint8))
+    if scale != 1:
+        tile = tile.resize((tile.width * scale, tile.height * scale), Image.NEAREST)
+    grid.paste(tile, (x, y))
+
+
+def _display_scale(images: np.ndarray, target: int) -> int:
+    """Small images are upscaled (nearest) so that they are visible: to about `target` px."""
+    return max(1, target // max(int(np.asarray(images).shape[1]), 1))
 
 
 def save_sample_grid(
@@ -96,14 +151,26 @@ def save_sample_grid(
     path: str | Path,
     cols: int,
     labels: list[str] | None = None,
-    row_labels: list[str] | None = None,
 ) -> Path:
     """Write `image_grid(...)` as a PNG (small images are upscaled so they are visible)."""
-    h = int(np.asarray(images).shape[1])
-    scale = max(1, 96 // max(h, 1))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    image_grid(images, cols, labels, scale=scale, row_labels=row_labels).save(out)
+    image_grid(images, cols, labels, scale=_display_scale(images, 96)).save(out)
+    return out
+
+
+def save_prompt_grid(
+    images: np.ndarray,
+    path: str | Path,
+    prompts: list[str],
+    per_prompt: int,
+    labels: list[str] | None = None,
+) -> Path:
+    """Write `prompt_grid(...)` as a PNG (small images are upscaled so they are visible)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    grid = prompt_grid(images, prompts, per_prompt, labels, scale=_display_scale(images, 96))
+    grid.save(out)
     return out
 
 
@@ -111,10 +178,9 @@ def save_frame_strip(frames: np.ndarray, path: str | Path, max_frames: int = 8) 
     """A video's frames left to right (at most `max_frames`, evenly spaced) as one PNG."""
     f = np.asarray(frames)
     idx = np.linspace(0, f.shape[0] - 1, min(max_frames, f.shape[0])).round().astype(int)
-    h = int(f.shape[1])
-    scale = max(1, 64 // max(h, 1))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
+    scale = _display_scale(f, 64)
     image_grid(f[idx], cols=len(idx), labels=[f"t{i}" for i in idx], scale=scale).save(out)
     return out
 

@@ -569,7 +569,7 @@ def evaluate(
     ``out_dir/samples.png`` (one row per prompt, each image labelled ok / x)."""
     from omni_rewards import shapes
 
-    from .plots import save_sample_grid
+    from .plots import save_prompt_grid
 
     if prompts is None:
         prng = np.random.default_rng(sample.seed)
@@ -589,11 +589,11 @@ def evaluate(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
-    save_sample_grid(
+    save_prompt_grid(
         imgs,
         out / "samples.png",
-        cols=sample.per_prompt,
+        rows[:: sample.per_prompt],
+        sample.per_prompt,
         labels=["ok" if s else "x" for s in scores],
-        row_labels=rows[:: sample.per_prompt],
     )
     return summary

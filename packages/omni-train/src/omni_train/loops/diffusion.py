@@ -36,7 +36,7 @@ from ..algorithms import algorithm
 from ..data import PromptData
 from ..errors import NonFiniteError, TrainError
 from ..latent_scorer import ensure_latent_scorer
-from ..plots import save_frame_strip, save_sample_grid, save_waveform_plot
+from ..plots import save_frame_strip, save_prompt_grid, save_sample_grid, save_waveform_plot
 from ..ports import Ports
 from ..recipe import Recipe
 from ..seeds import DOMAIN_VAL, derive_seed, sample_seed
@@ -349,12 +349,12 @@ class DiffusionLoop:
             save_waveform_plot(
                 waves[0], int(inp.sample_rate), samples / f"val_step_{step:04d}_audio.png"
             )
-        save_sample_grid(
+        save_prompt_grid(
             still_frames(media),
             samples / f"val_step_{step:04d}.png",
-            cols=r.trainer.val_samples_per_prompt,
+            prompts,
+            r.trainer.val_samples_per_prompt,
             labels=[f"{s:.2f}" for s in scores],
-            row_labels=prompts,
         )
         metrics = {"val/reward_mean": float(scores.mean()), "val/reward_std": float(scores.std())}
         for k, v in (out.details or {}).items():
@@ -473,12 +473,12 @@ class DiffusionLoop:
         row["rollout/version"] = min(versions)
         row["weights/version"] = self.version
         if sample_due(self.recipe, step) and media is not None:
-            path = save_sample_grid(
+            path = save_prompt_grid(
                 still_frames(media),
                 self.run_dir / "samples" / f"step_{step + 1:04d}.png",
-                cols=r.rollout.n,
+                [t.prompt for t in trajs[:: r.rollout.n]],
+                r.rollout.n,
                 labels=[f"{s:.2f}" for s in rewards],
-                row_labels=[t.prompt for t in trajs[:: r.rollout.n]],
             )
             if self.run.logger.tb is not None or self.run.logger.wandb is not None:
                 from PIL import Image
