@@ -105,6 +105,21 @@ def test_render_is_deterministic_and_valid():
         S.render("a circle", 0, size=8)
 
 
+def test_render_box_sides_follow_box_side():
+    """One or two objects are drawn in boxes of `BOX_SIDE` x size (10-14 px at 32), three or
+    four in `BOX_SIDE_CROWDED` x size (8-10 px): a square fills its box, so its area is the
+    box side squared."""
+    sides = {"two": set(), "four": set()}
+    for seed in range(FRESH, FRESH + 40):
+        for key, caption in (("two", "a red square and a blue circle"), ("four", "four squares")):
+            objs = S.detect_objects(np.asarray(S.render(caption, seed, 32)))
+            sides[key] |= {round(o.area**0.5) for o in objs if o.shape == "square"}
+    lo, hi = (round(f * 32) for f in S.BOX_SIDE)
+    assert min(sides["two"]) >= lo and max(sides["two"]) <= hi and len(sides["two"]) > 2
+    lo, hi = (round(f * 32) for f in S.BOX_SIDE_CROWDED)
+    assert min(sides["four"]) >= lo and max(sides["four"]) <= hi
+
+
 def _heldout_prompts(n: int, seed: int) -> list[str]:
     rng = np.random.default_rng(seed)
     return [S.format_caption(S.sample_caption(rng, "heldout")) for _ in range(n)]
