@@ -566,7 +566,7 @@ def evaluate(
     """Held-out accuracy of a saved model: ``sample.per_prompt`` ODE samples of each prompt
     (default: ``sample.prompts`` held-out captions drawn with ``sample.seed``), scored by the
     `shapes` reward. Writes ``out_dir/eval.json`` (the returned summary) and
-    ``out_dir/samples.png`` (one row per prompt, each image labelled ok / x)."""
+    ``out_dir/samples.png`` (a block per prompt, each image labelled ok / x)."""
     from omni_rewards import shapes
 
     from .plots import save_prompt_grid
