@@ -3,6 +3,8 @@ reward's verdicts on ground-truth renders (seeds no other code here uses)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -79,6 +81,31 @@ def test_splits_are_disjoint_compositions(tmp_path):
     # a held-out pair never appears as a coloured object in train, as words either
     for color, shape in S.HELD_OUT_PAIRS:
         assert not any(f"{color} {shape}" in x for x in lines["train"])
+
+
+def test_task_weights_set_how_often_each_task_type_is_drawn():
+    """Unweighted: every task type alike (and the same stream as before weights existed);
+    weighted: proportional, 1 for a type not named, 0 never drawn; bad weights name the type."""
+
+    def draw(weights):
+        rng = np.random.default_rng(3)
+        return Counter(S.sample_caption(rng, "train", weights).task for _ in range(3000))
+
+    uniform = draw(None)
+    assert set(uniform) == set(S.TASKS) and min(uniform.values()) > 400
+    rng_a, rng_b = np.random.default_rng(5), np.random.default_rng(5)
+    assert [S.sample_caption(rng_a) for _ in range(50)] == [
+        S.sample_caption(rng_b, "train", None) for _ in range(50)
+    ]
+    weighted = draw({"position": 4.0, "single_object": 0.0})
+    assert weighted["single_object"] == 0
+    assert 3.3 < weighted["position"] / weighted["counting"] < 4.8  # 4 : 1, 3000 draws
+    with pytest.raises(ValueError, match="unknown task type 'shapes'"):
+        S.sample_caption(np.random.default_rng(0), "train", {"shapes": 1.0})
+    with pytest.raises(ValueError, match="task_weights: position must be a finite number"):
+        S.sample_caption(np.random.default_rng(0), "train", {"position": -1.0})
+    with pytest.raises(ValueError, match="all 0"):
+        S.sample_caption(np.random.default_rng(0), "train", dict.fromkeys(S.TASKS, 0.0))
 
 
 def test_shipped_split_files_match_write_splits(tmp_path):

@@ -31,6 +31,7 @@ TINY = [
     "train.warmup_steps=2",
     "train.decay_steps=2",
     "train.timestep_shift=3",
+    "train.task_weights.position=2",
     "sample.prompts=2",
     "sample.per_prompt=1",
     "sample.num_steps=2",
@@ -101,6 +102,11 @@ def test_pretrain_config_errors_name_the_key(tmp_path: Path, capsys) -> None:
     assert "model.image_size" in capsys.readouterr().err
     assert main(["pretrain", "shapes_sd3", "train.timestep_shift=0"]) == 2
     assert "train.timestep_shift" in capsys.readouterr().err
+    assert main(["pretrain", "shapes_sd3", "train.task_weights.shapes=2"]) == 2
+    err = capsys.readouterr().err
+    assert "train.task_weights" in err and "unknown task type 'shapes'" in err
+    weighted = load_pretrain_config("shapes_sd3", ["train.task_weights.position=3"])
+    assert weighted.train.task_weights == {"position": 3.0}
     assert main(["pretrain", str(tmp_path / "nope.yaml")]) == 2
     assert "not found" in capsys.readouterr().err
     cfg = load_pretrain_config("shapes_sd3", ["train.steps=7"])

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -288,15 +288,36 @@ def _captions_by_task(split: str) -> dict[str, list[Caption]]:
     return by_task
 
 
-def sample_caption(rng: np.random.Generator, split: str = "train") -> Caption:
-    """A caption of ``split``: a task type uniformly (among those the split has), then a
-    caption of that type uniformly."""
+def sample_caption(
+    rng: np.random.Generator,
+    split: str = "train",
+    task_weights: Mapping[str, float] | None = None,
+) -> Caption:
+    """A caption of ``split``: a task type (among those the split has) uniformly, or with
+    probability proportional to ``task_weights[type]`` (1 for a type it does not name), then
+    a caption of that type uniformly."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split: expected 'train' or 'heldout', got {split!r}")
     by_task = _captions_by_task(split)
     tasks = sorted(by_task)
-    caps = by_task[tasks[int(rng.integers(len(tasks)))]]
+    if task_weights is None:
+        task = tasks[int(rng.integers(len(tasks)))]
+    else:
+        task = tasks[int(rng.choice(len(tasks), p=_task_probabilities(tasks, task_weights)))]
+    caps = by_task[task]
     return caps[int(rng.integers(len(caps)))]
+
+
+def _task_probabilities(tasks: list[str], task_weights: Mapping[str, float]) -> np.ndarray:
+    for name, w in task_weights.items():
+        if name not in TASKS:
+            raise ValueError(f"task_weights: unknown task type {name!r}; the types are {TASKS}")
+        if not (np.isfinite(w) and w >= 0):
+            raise ValueError(f"task_weights: {name} must be a finite number >= 0, got {w!r}")
+    weights = np.array([float(task_weights.get(t, 1.0)) for t in tasks])
+    if weights.sum() <= 0:
+        raise ValueError(f"task_weights: the weights of {tasks} are all 0")
+    return weights / weights.sum()
 
 
 def write_splits(out_dir: str | Path, per_task: int = 32, seed: int = 0) -> dict[str, Path]:

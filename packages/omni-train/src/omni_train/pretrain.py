@@ -22,7 +22,7 @@ Two stages, both deterministic given ``seed`` (same machine, same thread count):
    replaced by ``""`` so classifier-free guidance works.
 
 Each step draws ``batch_size`` captions of the split (`omni_rewards.shapes.sample_caption`:
-a task type uniformly, then a caption) and renders each with its own seed. The learning rate
+a task type uniformly, or by ``train.task_weights``, then a caption) and renders each with its own seed. The learning rate
 warms up linearly, stays constant and falls linearly to 0 over the last ``decay_steps``, so a
 checkpoint at step N of a longer run, before its decay, is the N-step run without decay. The
 run folder gets ``model/`` (the final pipeline), ``metrics.jsonl`` (one row per step),
@@ -42,7 +42,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import NonFiniteError
 from .recipe import RecipeError, apply_overrides
@@ -112,7 +112,20 @@ class FlowStage(_Section):
         0, ge=0, description="the learning rate falls linearly to 0 over the last N steps"
     )
     caption_dropout: float = Field(0.1, ge=0, lt=1)
+    task_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="how often each caption task type is drawn, relative (omni_rewards.shapes."
+        "TASKS; 1 for a type not named; empty: every type alike)",
+    )
     save_every: int = Field(0, ge=0, description="checkpoints/step_N every N steps (0: none)")
+
+    @field_validator("task_weights")
+    @classmethod
+    def _weights_the_world_accepts(cls, weights: dict[str, float]) -> dict[str, float]:
+        from omni_rewards import shapes
+
+        shapes.sample_caption(np.random.default_rng(0), "train", weights)  # raises if invalid
+        return weights
 
 
 class SampleStage(_Section):
@@ -288,13 +301,21 @@ def save_toy_sd3(components: dict[str, Any], path: Path) -> Path:
 
 # ------------------------------------------------------------------ the world's batches
 def _world_batch(
-    rng: np.random.Generator, split: str, n: int, size: int, seed_base: int
+    rng: np.random.Generator,
+    split: str,
+    n: int,
+    size: int,
+    seed_base: int,
+    task_weights: dict[str, float] | None = None,
 ) -> tuple[list[str], torch.Tensor]:
-    """``n`` captions of ``split`` and their renders (seeds ``seed_base + i``) as a float
-    tensor (n, 3, size, size) in [-1, 1]."""
+    """``n`` captions of ``split`` (task types drawn by ``task_weights``, uniform when None)
+    and their renders (seeds ``seed_base + i``) as a float tensor (n, 3, size, size) in
+    [-1, 1]."""
     from omni_rewards import shapes
 
-    caps = [shapes.format_caption(shapes.sample_caption(rng, split)) for _ in range(n)]
+    caps = [
+        shapes.format_caption(shapes.sample_caption(rng, split, task_weights)) for _ in range(n)
+    ]
     imgs = np.stack([np.asarray(shapes.render(c, seed_base + i, size)) for i, c in enumerate(caps)])
     x = torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 127.5 - 1.0
     return caps, x
@@ -523,9 +544,12 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True) -> Path:
     opt = torch.optim.AdamW(params, lr=st.lr, weight_decay=st.weight_decay)
     rng = np.random.default_rng([cfg.seed, 2])
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 2)
+    weights = st.task_weights or None  # None keeps the uniform draw (and its random stream)
     bar = tqdm(range(st.steps), desc="flow", unit="step", dynamic_ncols=True, disable=not progress)
     for step in bar:
-        caps, x = _world_batch(rng, cfg.split, st.batch_size, cfg.model.image_size, step * 1000)
+        caps, x = _world_batch(
+            rng, cfg.split, st.batch_size, cfg.model.image_size, step * 1000, weights
+        )
         loss = _flow_loss(adapter, x, caps, cfg, gen)
         if not torch.isfinite(loss):
             raise NonFiniteError(
