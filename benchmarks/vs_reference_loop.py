@@ -306,7 +306,7 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
             "algorithm": {
                 "name": "flow_grpo",
                 "clip_range": CLIP,
-                "rows_per_forward": a.ours_batch or a.batch,
+                "rows_per_forward": _replay_rows(a),
             },
             "lora": {"rank": RANK, "alpha": ALPHA},
             "optimizer": {"lr": LR},
@@ -616,6 +616,13 @@ def child(a: argparse.Namespace) -> None:
     print(json.dumps({k: statistics.median(r[k] for r in kept) for k in PHASES}))
 
 
+def _replay_rows(a: argparse.Namespace) -> int | str:
+    """Ours: algorithm.rows_per_forward (--ours-replay: a number or `auto`)."""
+    if a.ours_replay == "auto":
+        return "auto"
+    return int(a.ours_replay or a.ours_batch or a.batch)
+
+
 def spawn(side: str, model: Path, a: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", side, "--model", str(model)]
     keys = (
@@ -631,6 +638,8 @@ def spawn(side: str, model: Path, a: argparse.Namespace) -> dict[str, float]:
     )
     for k in (*keys, "device", "dtype"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    if a.ours_replay:
+        cmd += ["--ours-replay", a.ours_replay]
     if a.kl_metric:
         cmd.append("--kl-metric")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -655,6 +664,12 @@ def main(argv: list[str] | None = None) -> int:
         help="ours: rows per forward in the rollout (rollout.max_num_seqs) and the replay "
         "(algorithm.rows_per_forward); 0: --batch. The work (rows forwarded) stays equal: the "
         "engine packs requests and the replay packs window steps into fewer, larger forwards",
+    )
+    ap.add_argument(
+        "--ours-replay",
+        default=None,
+        help="ours: algorithm.rows_per_forward alone, a number or `auto` (chosen by memory "
+        "after the first update, which --warmup leaves unmeasured); default: --ours-batch",
     )
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured RL steps per child")
     ap.add_argument("--steps", type=int, default=3, help="measured RL steps per child")
@@ -728,7 +743,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"N={a.prompts * a.n} ({a.prompts} prompts x {a.n}), {a.num_steps} steps, "
         f"{a.num_steps - 1} trained timesteps, {a.size}x{a.size}, batch {a.batch} "
-        f"(ours {a.ours_batch or a.batch} rows per forward), LoRA r{RANK}; "
+        f"(ours {a.ours_batch or a.batch} rows per forward, replay "
+        f"{a.ours_replay or a.ours_batch or a.batch}), LoRA r{RANK}; "
         f"{a.device}, {a.dtype}; "
         f"threads {a.threads or 'default'}, {os.cpu_count()} CPUs; median of {a.repeats} "
         f"interleaved process rounds x {a.steps} steps; policy/kl_to_ref "

@@ -8,6 +8,7 @@ import pytest
 from omni_adapters import published
 from omni_adapters.memory import (
     GIB,
+    activation_bytes,
     estimate_training_memory,
     largest_fitting_rows,
     model_dims,
@@ -48,6 +49,14 @@ def test_parts_follow_the_formula():
     assert logits["logits"] == 8 * 4 * 1000 * 100
     with pytest.raises(ValueError, match="rows"):
         estimate_training_memory(**{**BASE, "rows": 0})
+
+
+def test_activation_bytes_scale_with_rows_width_layers_and_number_size():
+    # 34 bytes per token, unit of width and layer at 2 bytes per number (Korthikanti et al.)
+    assert activation_bytes(1, 1000, 10) == 34 * 1000 * 10
+    assert activation_bytes(3, 1000, 10) == 3 * activation_bytes(1, 1000, 10)
+    assert activation_bytes(1, 1000, 10, element_bytes=4) == 2 * activation_bytes(1, 1000, 10)
+    assert activation_bytes(1, 1000, 10, gradient_checkpointing=True) == 1000 * (2 * 10 + 34)
 
 
 def test_largest_fitting_rows_is_the_boundary():

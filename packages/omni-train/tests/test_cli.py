@@ -109,6 +109,12 @@ def test_validate_memory_estimates_a_gpu_recipe(capsys) -> None:
     assert "one training forward: 16 rows x 4022 tokens through 30 layers of width 3072" in out
     assert "total per GPU" in out and "fits in 80 GiB (A100/H100 80 GB):" in out
     assert "fits in 141 GiB (H200):" in out
+    # with rows_per_forward auto: the first update at max_num_seqs, then what the memory holds
+    assert main(["validate", "--memory", str(recipe), "algorithm.rows_per_forward=auto"]) == 0
+    out = capsys.readouterr().out
+    assert "one training forward: 16 rows x 4022 tokens" in out
+    auto = re.findall(r"rows_per_forward auto: (\d+) from the second update on", out)
+    assert len(auto) == 2 and int(auto[0]) < int(auto[1])  # 80 GiB, then 141 GiB
 
 
 def test_validate_memory_errors_name_the_key(tmp_path: Path, capsys) -> None:

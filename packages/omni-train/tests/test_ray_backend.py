@@ -9,6 +9,8 @@ serves every algorithm (`RayLearner.configure`).
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -109,27 +111,33 @@ def sd3_pool(ray_session, tmp_path_factory, tiny_sd3):
     learner.close()
 
 
-@pytest.mark.parametrize("name", [n for n, a in ALGORITHMS.items() if a.model == "diffusion"])
-def test_update_parity_local_vs_two_fsdp_ranks(name, sd3_pool):
-    """One update on the same batch: the same LoRA weights and loss on both backends."""
+def _local_learner_and_batch(d: dict, tmp: Path) -> tuple[LocalLearner, Any, dict]:
+    """A local learner for recipe dict ``d``, its step-0 batch and its initial trainables."""
     from diffusion_rollout import EmbeddedEngine
 
-    d = _recipe_for(name, sd3_pool["base"])
-    ray_recipe = recipe_from_dict(d)
     local_recipe = recipe_from_dict({**d, "trainer": {**d["trainer"], "backend": "local"}})
     adapter = load_policy(local_recipe)
     local = LocalLearner(local_recipe, adapter)
     init, _ = local.state()
     init = {k: v.clone() for k, v in init.items()}
-    before = {k: v.clone() for k, v in local.rollout_weights().items()}
     engine = EmbeddedEngine(adapter, max_num_seqs=16)
     reward = build_reward(local_recipe)
     ports = Ports(local, engine, lambda: reward)
-    loop = DiffusionLoop(local_recipe, ports, sd3_pool["tmp"] / name)
+    loop = DiffusionLoop(local_recipe, ports, tmp)
     trajs = engine.generate_many(loop.requests_for(0))
     rewards, _, _ = loop.score(trajs, 0)
     batch, _ = loop.update_batch(trajs, rewards, 0)
     engine.close()
+    return local, batch, init
+
+
+@pytest.mark.parametrize("name", [n for n, a in ALGORITHMS.items() if a.model == "diffusion"])
+def test_update_parity_local_vs_two_fsdp_ranks(name, sd3_pool):
+    """One update on the same batch: the same LoRA weights and loss on both backends."""
+    d = _recipe_for(name, sd3_pool["base"])
+    ray_recipe = recipe_from_dict(d)
+    local, batch, init = _local_learner_and_batch(d, sd3_pool["tmp"] / name)
+    before = {k: v.clone() for k, v in local.rollout_weights().items()}
 
     rl = sd3_pool["ray"]
     rl.configure(ray_recipe)  # fresh optimizer, this algorithm
@@ -148,6 +156,24 @@ def test_update_parity_local_vs_two_fsdp_ranks(name, sd3_pool):
         assert want["actor/kl_ref"] >= 0.0 and got["actor/kl_ref"] == pytest.approx(
             want["actor/kl_ref"], abs=1e-6
         )
+
+
+def test_auto_rows_per_forward_plans_from_the_ranks_measure(sd3_pool):
+    """`rows_per_forward: auto` on two FSDP ranks: the first update at max_num_seqs, then the
+    least of the ranks' measures for every rank; the same losses as the local learner."""
+    d = _recipe_for("flow_grpo", sd3_pool["base"])
+    d["algorithm"]["rows_per_forward"] = "auto"
+    local, batch, init = _local_learner_and_batch(d, sd3_pool["tmp"] / "auto")
+    rl = sd3_pool["ray"]
+    rl.configure(recipe_from_dict(d))
+    rl.load_state(init, None)
+    assert rl.rows_fit is None
+    for step in (0, 1):
+        got, want = rl.update(batch, step), local.update(batch, step)
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+        assert got["perf/rows_fit"] == rl.rows_fit >= batch.log_probs.numel()
+    rl.configure(recipe_from_dict(sd3_pool["base"]))  # back to the default for the others
+    assert rl.rows_fit is None
 
 
 def _thinker_recipe(tmp, model) -> dict:

@@ -986,8 +986,11 @@ class OmniModelBase:
         Every class named must occur in the trainable model (a typo would shard nothing)."""
         found: dict[str, type[nn.Module]] = {}
         for m in self.model.modules():
-            if type(m).__name__ in self.no_split_modules:
-                found.setdefault(type(m).__name__, type(m))
+            # after FSDP2's fully_shard a block's class is a subclass named FSDP<Name>
+            for klass in type(m).__mro__:
+                if klass.__name__ in self.no_split_modules:
+                    found.setdefault(klass.__name__, klass)
+                    break
         missing = [n for n in self.no_split_modules if n not in found]
         if missing:
             raise ValueError(

@@ -32,6 +32,7 @@ from typing import Any
 __all__ = [
     "GIB",
     "MemoryEstimate",
+    "activation_bytes",
     "estimate_training_memory",
     "largest_fitting_rows",
     "model_dims",
@@ -93,11 +94,10 @@ def estimate_training_memory(
         parts["LoRA + grads + AdamW"] = 16.0 * trained_params / shards
     else:
         parts["grads + AdamW (full)"] = 3.0 * weight_bytes * trained_params / shards
-    per_layer = float(rows) * tokens * hidden_size
-    if gradient_checkpointing:
-        parts["activations (checkpointed)"] = per_layer * (2 * num_layers + ACT_BYTES)
-    else:
-        parts["activations"] = per_layer * num_layers * ACT_BYTES
+    key = "activations (checkpointed)" if gradient_checkpointing else "activations"
+    parts[key] = activation_bytes(
+        rows, tokens * hidden_size, num_layers, gradient_checkpointing=gradient_checkpointing
+    )
     if vocab_size:
         parts["logits"] = 8.0 * rows * tokens * vocab_size
     parts["rollout activations"] = float(rollout_rows) * tokens * hidden_size * ACT_BYTES
@@ -115,6 +115,24 @@ def estimate_training_memory(
         "gradient_checkpointing": gradient_checkpointing,
     }
     return MemoryEstimate(parts, inputs)
+
+
+def activation_bytes(
+    rows: int,
+    token_width: int,
+    num_layers: int,
+    *,
+    element_bytes: int = 2,
+    gradient_checkpointing: bool = False,
+) -> float:
+    """Activation bytes of one training forward/backward (module docstring): ``rows`` rows
+    whose ``token_width`` (tokens x width entering a layer, summed over the streams of an
+    MMDiT block) pass ``num_layers`` layers, ``element_bytes`` per number (the formula's 34
+    bytes are for 2-byte numbers and scale with it)."""
+    per_layer = float(rows) * token_width * element_bytes / 2
+    if gradient_checkpointing:
+        return per_layer * (2 * num_layers + ACT_BYTES)
+    return per_layer * num_layers * ACT_BYTES
 
 
 def largest_fitting_rows(gpu_bytes: float, **kwargs: Any) -> int:

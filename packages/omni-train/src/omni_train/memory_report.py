@@ -80,6 +80,26 @@ def _fit_lines(
     return out
 
 
+def _auto_line(gib: float, est: Any, kwargs: dict[str, Any], cfg: int) -> str:
+    """What ``rows_per_forward: auto`` would choose from the second update on, if the GPU
+    held exactly the estimate (`omni_train.updates.auto_rows`)."""
+    from omni_adapters.memory import GIB, activation_bytes
+
+    from .updates.auto_rows import CUDA_SHARE
+
+    held = sum(v for k, v in est.parts.items() if not k.startswith("activations"))
+    per_row = activation_bytes(
+        1,
+        kwargs["tokens"] * kwargs["hidden_size"],
+        kwargs["num_layers"],
+        gradient_checkpointing=kwargs["gradient_checkpointing"],
+    )
+    samples = max(1, math.floor(CUDA_SHARE * max(gib * GIB - held, 0.0) / (per_row * cfg)))
+    samples = 1 << (samples.bit_length() - 1)  # as RowsBudget.rows_fit: a power of two
+    branches = f" ({samples * cfg} forward rows with the guidance branch)" if cfg > 1 else ""
+    return f"    algorithm.rows_per_forward auto: {samples} from the second update on{branches}"
+
+
 def memory_report(
     recipe: Recipe, *, published: str | None = None, gpu_gib: float | None = None
 ) -> list[str]:
@@ -142,7 +162,8 @@ def memory_report(
     workers = t.num_workers if t.backend in ("ray", "verl") else 1
     per_worker = math.ceil(recipe.data.prompts_per_step * r.n / workers)
     cfg = _cfg_rows(recipe, is_thinker)
-    per_forward = a.rows_per_forward or r.max_num_seqs
+    auto = a.rows_per_forward == "auto"  # the first update runs at max_num_seqs rows
+    per_forward = r.max_num_seqs if auto else a.rows_per_forward or r.max_num_seqs
     rows = cfg * min(math.ceil(per_worker / a.num_minibatches), per_forward)
     rollout_rows = cfg * min(r.max_num_seqs, per_worker)
     tokens = sequence_tokens(
@@ -180,5 +201,7 @@ def memory_report(
     ]
     for gib in [gpu_gib] if gpu_gib is not None else list(GPU_SIZES):
         lines.extend(_fit_lines(gib, est, kwargs, recipe, rows, cfg))
+        if auto:
+            lines.append(_auto_line(gib, est, kwargs, cfg))
     lines.append("  (an estimate: omni_adapters.memory's formula; only a GPU run measures it)")
     return lines

@@ -303,14 +303,16 @@ class AlgorithmConfig(_Section):
     options: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for the loss."
     )
-    rows_per_forward: int | None = Field(
+    rows_per_forward: int | Literal["auto"] | None = Field(
         None,
-        ge=1,
         description="The most rows one forward pass of the update takes (memory): a minibatch "
         "is split into micro-batches whose gradients add up to the same optimizer step, and "
         "several SDE window steps (or noise draws) of a micro-batch replay in one forward, "
         "each row at its own timestep; of the splits with at most this many rows per forward "
-        "the one with the fewest forwards runs. null = `rollout.max_num_seqs`.",
+        "the one with the fewest forwards runs. null = `rollout.max_num_seqs`; `auto` = as "
+        "many as the free memory holds, measured after the first update "
+        "(`omni_train.updates.auto_rows`; local and ray backends; not bit-for-bit "
+        "repeatable, as `trainer.threads: auto`).",
     )
     mix_window: MixWindowConfig = Field(
         default_factory=MixWindowConfig, description="mix_grpo: the sliding SDE window."
@@ -332,6 +334,13 @@ class AlgorithmConfig(_Section):
         description="diffusion_nft / diffusion_dpo: [lo, hi] the training t is drawn from "
         "uniformly (x_t = (1 - t) x0 + t eps).",
     )
+
+    @field_validator("rows_per_forward")
+    @classmethod
+    def _rows_positive(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"must be >= 1, `auto` or null, got {v}")
+        return v
 
     @field_validator("timestep_range")
     @classmethod
@@ -651,6 +660,12 @@ class Recipe(_Section):
                 f"algorithm.kl_beta: {a.name} has its own reference term "
                 "(diffusion_nft: algorithm.options.kl_weight; diffusion_dpo: options.beta)"
             )
+        if t.backend == "verl" and a.rows_per_forward == "auto":
+            out.append(
+                "algorithm.rows_per_forward: auto sizes the local and ray backends' forwards; "
+                "verl sizes its own micro-batches (its actor.use_dynamic_bsz, through "
+                "trainer.verl)"
+            )
         if t.backend == "verl" and self.rollout.allowed_tokens:
             out.append(
                 "rollout.allowed_tokens: verl's rollout engines sample without a token mask; "
@@ -828,6 +843,14 @@ def dump_recipe(recipe: Recipe) -> str:
 
 
 def _type_name(annotation: Any) -> str:
+    import types
+    import typing
+
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " | ".join("None" if a is type(None) else _type_name(a) for a in args)
+    if typing.get_origin(annotation) is Literal and len(args) == 1:
+        return f"`{args[0]}`"
     s = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
     s = s or str(annotation).replace("typing.", "")
     return s.replace("NoneType", "null")

@@ -32,6 +32,7 @@ from ..updates import (
     UpdateContext,
     UpdateSettings,
     batch_rows,
+    rows_budget,
     run_update,
     select_rows,
     update_plans,
@@ -58,13 +59,19 @@ class LocalLearner:
             UpdateSettings.from_recipe(recipe, allowed_tokens),
             LocalCollective(),
         )
+        self.rows_budget = rows_budget(recipe, adapter)
+        self.rows_fit: int | None = None  # measured after the first update (auto)
 
     def update(self, batch: Any, step: int, correction: str | None = None) -> dict[str, float]:
         lr = apply_learning_rate(self.optimizer, self.recipe, step)
-        (plan,) = update_plans(self.recipe, batch, step, world_size=1)
+        (plan,) = update_plans(self.recipe, batch, step, world_size=1, rows_fit=self.rows_fit)
         if plan.rows != list(range(batch_rows(batch))):  # rows no minibatch uses are left out
             batch = select_rows(batch, plan.rows)
-        return {**run_update(self.ctx, batch, plan, correction=correction), "optim/lr": lr}
+        out = {**run_update(self.ctx, batch, plan, correction=correction), "optim/lr": lr}
+        if self.rows_budget is not None:
+            self.rows_fit = self.rows_budget.rows_fit()
+            out["perf/rows_fit"] = float(self.rows_fit or 0)
+        return out
 
     def rollout_weights(self) -> dict[str, Tensor]:
         return self.adapter.export_rollout_weights()
@@ -99,7 +106,8 @@ class LocalLearner:
             yield
 
     def close(self) -> None:
-        pass
+        if self.rows_budget is not None:
+            self.rows_budget.close()
 
 
 class ThinkerRollout:

@@ -50,6 +50,7 @@ from ..updates import (
     UpdateSettings,
     batch_from_wire,
     batch_to_wire,
+    rows_budget,
     run_update,
     select_rows,
     update_plans,
@@ -176,6 +177,9 @@ class ActorWorker:
         from .local import allowed_token_ids
 
         self.recipe = r = _recipe(recipe_json)
+        if getattr(self, "rows_budget", None) is not None:
+            self.rows_budget.close()
+        self.rows_budget = rows_budget(r, self.adapter)
         self.params_named = self.adapter.named_trainable_parameters()
         self.optimizer = build_optimizer(list(self.params_named.values()), r)
         alg = algorithm(r.algorithm.name)
@@ -199,6 +203,8 @@ class ActorWorker:
         batch = batch_from_wire({k: v.to(dev) for k, v in tensors.items()}, meta)
         lr = apply_learning_rate(self.optimizer, self.recipe, step)
         metrics = {**run_update(self.ctx, batch, plan, correction=correction), "optim/lr": lr}
+        if self.rows_budget is not None:  # this rank's measure; the driver plans with the least
+            metrics["perf/rows_fit"] = float(self.rows_budget.rows_fit() or 0)
         self.timeline.append((f"update{step}", t0, time.time()))
         return metrics
 
@@ -773,6 +779,7 @@ class RayLearner:
 
         self.recipe = recipe
         self.world_size = int(resources["workers"])
+        self.rows_fit: int | None = None  # rows_per_forward: auto, from the ranks' measures
         rj = recipe.model_dump_json()
         cls = ray.remote(ActorWorker)
         self.actors = [
@@ -790,6 +797,7 @@ class RayLearner:
         import ray
 
         self.recipe = recipe
+        self.rows_fit = None
         ray.get([a.configure.remote(recipe.model_dump_json()) for a in self.actors])
 
     def update(self, batch: Any, step: int, correction: str | None = None) -> dict[str, float]:
@@ -797,14 +805,18 @@ class RayLearner:
 
         from diffusion_rollout.wire import tensors_to_bytes
 
-        plans = update_plans(self.recipe, batch, step, self.world_size)
+        plans = update_plans(self.recipe, batch, step, self.world_size, rows_fit=self.rows_fit)
         refs = []
         for actor, plan in zip(self.actors, plans):
             tensors, meta = batch_to_wire(select_rows(batch, plan.rows))
             meta["plan"] = json.dumps(plan.to_json())
             refs.append(actor.update.remote(tensors_to_bytes(tensors, meta), step, correction))
         try:
-            return dict(ray.get(refs)[0])
+            ranks = [dict(m) for m in ray.get(refs)]
+            if "perf/rows_fit" in ranks[0]:  # rows_per_forward: auto, the same for every rank
+                self.rows_fit = int(min(m["perf/rows_fit"] for m in ranks)) or None
+                ranks[0]["perf/rows_fit"] = float(self.rows_fit or 0)
+            return ranks[0]
         except Exception as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, NonFiniteError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .auto_rows import RowsBudget, rows_budget
 from .batches import (
     PairBatch,
     ReplayBatch,
@@ -44,6 +45,7 @@ __all__ = [
     "OptimizerStepPlan",
     "PairBatch",
     "ReplayBatch",
+    "RowsBudget",
     "SampleBatch",
     "TokenBatch",
     "UpdateContext",
@@ -61,6 +63,7 @@ __all__ = [
     "pair_batch",
     "replay_batch",
     "replay_steps",
+    "rows_budget",
     "run_optimizer_steps",
     "run_update",
     "sample_batch",
@@ -93,10 +96,18 @@ def batch_rows(batch: Any) -> int:
     return int((batch.x0_w if isinstance(batch, PairBatch) else batch.advantages).shape[0])
 
 
-def update_plans(recipe: Any, batch: Any, step: int, world_size: int) -> list[UpdatePlan]:
+def update_plans(
+    recipe: Any, batch: Any, step: int, world_size: int, rows_fit: int | None = None
+) -> list[UpdatePlan]:
     """Each rank's plan for ``batch`` under the recipe's `algorithm.num_minibatches`,
-    `epochs`, `rows_per_forward` (default `rollout.max_num_seqs`) and `trainer.seed`."""
+    `epochs`, `rows_per_forward` and `trainer.seed`. ``rows_per_forward`` null means
+    `rollout.max_num_seqs`; ``auto`` means ``rows_fit`` (`auto_rows.RowsBudget.rows_fit`,
+    the learner's measure), or `rollout.max_num_seqs` while nothing is measured."""
     a = recipe.algorithm
+    per_forward = a.rows_per_forward
+    if per_forward == "auto":
+        per_forward = rows_fit
+    per_forward = per_forward or recipe.rollout.max_num_seqs
     if isinstance(batch, ReplayBatch):
         items = int(batch.log_probs.shape[1])
     elif isinstance(batch, (SampleBatch, PairBatch)):
@@ -110,6 +121,6 @@ def update_plans(recipe: Any, batch: Any, step: int, world_size: int) -> list[Up
         seed=recipe.trainer.seed,
         step=step,
         world_size=world_size,
-        rows_per_forward=a.rows_per_forward or recipe.rollout.max_num_seqs,
+        rows_per_forward=per_forward,
         items=items,
     )

@@ -1,0 +1,148 @@
+"""`algorithm.rows_per_forward: auto`: the update's rows per forward chosen by memory.
+
+A training forward keeps activations for its backward in proportion to its rows. Per row
+
+    A = activation_bytes(1, sum_i S_i H_i, L, element_bytes=b)      (omni_adapters.memory)
+
+where ``sum_i S_i H_i`` is the tokens x width entering a transformer block (each (B, S, H)
+tensor the block takes: both streams of an MMDiT block, the hidden states of a decoder layer),
+``L`` the blocks (`OmniModelBase.fsdp_wrap_modules`) and ``b`` the bytes per number of those
+tensors. ``sum_i S_i H_i`` and ``b`` are read from the first block's inputs by a forward
+pre-hook, so the count is the model's own, whatever its family; with gradient checkpointing
+on, the checkpointed formula applies.
+
+The budget is a share of the memory free when the first update has run (its optimizer state
+and its largest forward already allocated once): on CUDA ``CUDA_SHARE`` of
+``torch.cuda.mem_get_info`` free bytes plus the bytes torch has reserved but not allocated;
+on the CPU ``CPU_SHARE`` of the kernel's ``MemAvailable``. Then
+
+    rows_per_forward = 2^floor(log2(max(1, floor(budget / (A g)))))
+
+with ``g`` = 2 forward rows per sample under classifier-free guidance (both branches), else 1
+(a plan's row is a sample), and `omni_train.updates.plan` packs as many window steps (or noise draws) per forward as that
+allows: on a CPU, where memory is plentiful for the models that train there, a minibatch
+usually becomes one forward (docs/performance.md measured fewer, larger forwards faster).
+The first update runs at ``rollout.max_num_seqs`` rows per forward (nothing measured yet);
+the gradient does not depend on the split beyond the order of float additions (1e-5,
+`test_packed_replay.py`), only speed and memory do. Rounding down to a power of two keeps the
+split steady while the free memory moves a little, but a run with ``auto`` is not bit-for-bit
+repeatable (a resumed run starts at ``rollout.max_num_seqs`` again), as ``trainer.threads:
+auto`` is not.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CPU_SHARE", "CUDA_SHARE", "RowsBudget", "free_memory_bytes", "rows_budget"]
+
+#: share of the free memory the update's activations may take: on CUDA the estimate is not
+#: verified on a GPU yet (docs/performance.md), so it keeps a wide margin
+CUDA_SHARE = 0.6
+CPU_SHARE = 0.5
+
+
+def free_memory_bytes(device: torch.device) -> float:
+    """Bytes free for new tensors on ``device`` (module docstring)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return float(free + cached)
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024  # the kernel reports kB
+    try:  # other POSIX systems
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        raise RuntimeError(
+            "algorithm.rows_per_forward: auto cannot read the free memory on this system; "
+            "give a number of rows instead"
+        ) from None
+
+
+def _token_width(args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(sum of S x H over the (B, S, H) tensors a block takes, bytes per number)."""
+    width, element = 0, 0
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.ndim == 3 and v.is_floating_point():
+            width += int(v.shape[1]) * int(v.shape[2])
+            element = max(element, v.element_size())
+    return width, element
+
+
+class RowsBudget:
+    """Watches the first transformer block of ``adapter`` and turns what it sees into the
+    rows per forward that fit the budget (module docstring).
+
+    ``rows_fit()`` is None until a training forward has run; ``close()`` removes the hook."""
+
+    def __init__(
+        self, adapter: Any, *, gradient_checkpointing: bool = False, branches: int = 1
+    ) -> None:
+        blocks = adapter.fsdp_wrap_modules()
+        if not blocks:
+            raise ValueError(
+                f"algorithm.rows_per_forward: auto needs the model's transformer blocks; "
+                f"{type(adapter).__name__} names none (no_split_modules)"
+            )
+        self.layers = len(blocks)
+        self.device = adapter.device
+        self.checkpointing = gradient_checkpointing
+        self.branches = branches  # forward rows per sample: 2 with classifier-free guidance
+        self.token_width = 0
+        self.element_bytes = 0
+        self._handle = blocks[0].register_forward_pre_hook(self._seen, with_kwargs=True)
+
+    def _seen(self, _module: Any, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():  # no-grad passes keep no activations
+            return
+        width, element = _token_width(args, kwargs)
+        self.token_width = max(self.token_width, width)
+        self.element_bytes = max(self.element_bytes, element)
+
+    def bytes_per_row(self) -> float | None:
+        """Activation bytes of one sample (all its guidance branches) of a training forward,
+        or None before one ran."""
+        from omni_adapters.memory import activation_bytes
+
+        if not self.token_width:
+            return None
+        return activation_bytes(
+            self.branches,
+            self.token_width,
+            self.layers,
+            element_bytes=self.element_bytes,
+            gradient_checkpointing=self.checkpointing,
+        )
+
+    def rows_fit(self, free_bytes: float | None = None) -> int | None:
+        """The rows per forward whose activations fit the budget now (``free_bytes``: the
+        free memory, measured when None), at least 1; None before a training forward ran."""
+        per_row = self.bytes_per_row()
+        if per_row is None:
+            return None
+        if free_bytes is None:
+            free_bytes = free_memory_bytes(self.device)
+        share = CUDA_SHARE if self.device.type == "cuda" else CPU_SHARE
+        rows = max(1, math.floor(share * free_bytes / per_row))
+        return 1 << (rows.bit_length() - 1)  # a power of two: small swings keep the plan
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def rows_budget(recipe: Any, adapter: Any) -> RowsBudget | None:
+    """A `RowsBudget` on ``adapter`` when the recipe asks for ``rows_per_forward: auto``."""
+    if recipe.algorithm.rows_per_forward != "auto":
+        return None
+    checkpointing = bool(recipe.model.options.get("gradient_checkpointing", False))
+    r = recipe.rollout
+    guided = max(r.guidance_scale, r.true_cfg_scale) > 1.0 and not recipe.is_omni()
+    return RowsBudget(adapter, gradient_checkpointing=checkpointing, branches=2 if guided else 1)
