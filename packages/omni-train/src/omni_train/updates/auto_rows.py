@@ -14,14 +14,17 @@ on, the checkpointed formula applies.
 The budget is a share of the memory free when the first update has run (its optimizer state
 and its largest forward already allocated once): on CUDA ``CUDA_SHARE`` of
 ``torch.cuda.mem_get_info`` free bytes plus the bytes torch has reserved but not allocated;
-on the CPU ``CPU_SHARE`` of the kernel's ``MemAvailable``. Then
+on the CPU ``CPU_SHARE`` of the kernel's ``MemAvailable``, but at most ``CPU_FORWARD_BYTES``:
+past about a GiB of activations a larger forward stops paying on a CPU (docs/performance.md:
+on 2 cores the 8-block width-256 model's update took 4.17 / 3.87 / 4.59 s at 48 / 112 / 336
+rows per forward, 6 MiB a row). Then
 
     rows_per_forward = 2^floor(log2(max(1, floor(budget / (A g)))))
 
 with ``g`` = 2 forward rows per sample under classifier-free guidance (both branches), else 1
 (a plan's row is a sample), and `omni_train.updates.plan` packs as many window steps (or noise draws) per forward as that
-allows: on a CPU, where memory is plentiful for the models that train there, a minibatch
-usually becomes one forward (docs/performance.md measured fewer, larger forwards faster).
+allows: for the small models that train on a CPU a minibatch usually becomes one forward
+(docs/performance.md measured fewer, larger forwards faster there).
 The first update runs at ``rollout.max_num_seqs`` rows per forward (nothing measured yet);
 the gradient does not depend on the split beyond the order of float additions (1e-5,
 `test_packed_replay.py`), only speed and memory do. Rounding down to a power of two keeps the
@@ -39,12 +42,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["CPU_SHARE", "CUDA_SHARE", "RowsBudget", "free_memory_bytes", "rows_budget"]
+__all__ = [
+    "CPU_FORWARD_BYTES",
+    "CPU_SHARE",
+    "CUDA_SHARE",
+    "RowsBudget",
+    "free_memory_bytes",
+    "rows_budget",
+]
 
 #: share of the free memory the update's activations may take: on CUDA the estimate is not
 #: verified on a GPU yet (docs/performance.md), so it keeps a wide margin
 CUDA_SHARE = 0.6
 CPU_SHARE = 0.5
+#: the most activation bytes one forward takes on a CPU (module docstring)
+CPU_FORWARD_BYTES = 2**30
 
 
 def free_memory_bytes(device: torch.device) -> float:
@@ -130,8 +142,11 @@ class RowsBudget:
             return None
         if free_bytes is None:
             free_bytes = free_memory_bytes(self.device)
-        share = CUDA_SHARE if self.device.type == "cuda" else CPU_SHARE
-        rows = max(1, math.floor(share * free_bytes / per_row))
+        if self.device.type == "cuda":
+            budget = CUDA_SHARE * free_bytes
+        else:
+            budget = min(CPU_SHARE * free_bytes, CPU_FORWARD_BYTES)
+        rows = max(1, math.floor(budget / per_row))
         return 1 << (rows.bit_length() - 1)  # a power of two: small swings keep the plan
 
     def close(self) -> None:
