@@ -17,7 +17,7 @@ and its largest forward already allocated once): on CUDA ``CUDA_SHARE`` of
 on the CPU ``CPU_SHARE`` of the kernel's ``MemAvailable``, but at most ``CPU_FORWARD_BYTES``:
 past about a GiB of activations a larger forward stops paying on a CPU (docs/performance.md:
 on 2 cores the 8-block width-256 model's update took 4.17 / 3.87 / 4.59 s at 48 / 112 / 336
-rows per forward, 6 MiB a row). Then
+rows per forward, 4.8 MiB a row). Then
 
     rows_per_forward = 2^floor(log2(max(1, floor(budget / (A g)))))
 
