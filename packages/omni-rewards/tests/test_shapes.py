@@ -104,6 +104,9 @@ def test_task_weights_set_how_often_each_task_type_is_drawn():
         S.sample_caption(np.random.default_rng(0), "train", {"shapes": 1.0})
     with pytest.raises(ValueError, match="task_weights: position must be a finite number"):
         S.sample_caption(np.random.default_rng(0), "train", {"position": -1.0})
+    for bad in ("2", None, True):  # not a number: the same error, not a TypeError
+        with pytest.raises(ValueError, match="task_weights: colors must be a finite number"):
+            S.sample_caption(np.random.default_rng(0), "train", {"colors": bad})
     with pytest.raises(ValueError, match="all 0"):
         S.sample_caption(np.random.default_rng(0), "train", dict.fromkeys(S.TASKS, 0.0))
 

@@ -46,5 +46,7 @@ def test_long_prompts_wrap_to_the_block_width() -> None:
 def test_mismatched_counts_name_them(tmp_path) -> None:
     with pytest.raises(ValueError, match="3 prompts x per_prompt 2 != 4 images"):
         prompt_grid(_images(4), ["a", "b", "c"], per_prompt=2)
+    with pytest.raises(ValueError, match="prompt_grid: no prompts"):
+        prompt_grid(_images(0), [], per_prompt=1)
     path = save_prompt_grid(_images(4), tmp_path / "g" / "grid.png", ["a", "b"], 2)
     assert Image.open(path).size[0] > 0

@@ -312,6 +312,8 @@ def _task_probabilities(tasks: list[str], task_weights: Mapping[str, float]) -> 
     for name, w in task_weights.items():
         if name not in TASKS:
             raise ValueError(f"task_weights: unknown task type {name!r}; the types are {TASKS}")
+        if isinstance(w, bool) or not isinstance(w, (int, float, np.number)):
+            raise ValueError(f"task_weights: {name} must be a finite number >= 0, got {w!r}")
         if not (np.isfinite(w) and w >= 0):
             raise ValueError(f"task_weights: {name} must be a finite number >= 0, got {w!r}")
     weights = np.array([float(task_weights.get(t, 1.0)) for t in tasks])

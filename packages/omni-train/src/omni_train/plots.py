@@ -97,6 +97,8 @@ def prompt_grid(
     per row), so many prompts with one sample each make a readable page, not one column."""
     images = _check_images(images)
     b, h, w, _ = images.shape
+    if not prompts:
+        raise ValueError("prompt_grid: no prompts (nothing to draw)")
     if per_prompt < 1 or len(prompts) * per_prompt != b:
         raise ValueError(
             f"prompt_grid: {len(prompts)} prompts x per_prompt {per_prompt} != {b} images"
