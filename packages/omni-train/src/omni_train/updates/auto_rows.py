@@ -15,17 +15,17 @@ The budget is a share of the memory free when the first update has run (its opti
 and its largest forward already allocated once): on CUDA ``CUDA_SHARE`` of
 ``torch.cuda.mem_get_info`` free bytes plus the bytes torch has reserved but not allocated;
 on the CPU ``CPU_SHARE`` of the kernel's ``MemAvailable``, but at most ``CPU_FORWARD_BYTES``:
-past about a GiB of activations a larger forward stops paying on a CPU (docs/performance.md:
+past half a GiB or so of activations a larger forward stops paying on a CPU (docs/performance.md:
 on 2 cores the 8-block width-256 model's update took 4.17 / 3.87 / 4.59 s at 48 / 112 / 336
 rows per forward, 4.8 MiB a row). Then
 
     rows_per_forward = 2^floor(log2(max(1, floor(budget / (A g)))))
 
 with ``g`` = 2 forward rows per sample under classifier-free guidance (both branches), else 1
-(a plan's row is a sample), and `omni_train.updates.plan` packs as many window steps (or noise draws) per forward as that
-allows: for the small models that train on a CPU a minibatch usually becomes one forward
-(docs/performance.md measured fewer, larger forwards faster there).
-The first update runs at ``rollout.max_num_seqs`` rows per forward (nothing measured yet);
+(a plan's row is a sample), and `omni_train.updates.plan` packs as many window steps (or
+noise draws) per forward as that allows: for the small models that train on a CPU a
+minibatch usually becomes one forward (docs/performance.md measured fewer, larger forwards
+faster there). The first update runs at ``rollout.max_num_seqs`` rows per forward (nothing measured yet);
 the gradient does not depend on the split beyond the order of float additions (1e-5,
 `test_packed_replay.py`), only speed and memory do. Rounding down to a power of two keeps the
 split steady while the free memory moves a little, but a run with ``auto`` is not bit-for-bit
