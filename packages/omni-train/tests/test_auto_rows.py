@@ -19,6 +19,7 @@ from omni_train.updates.auto_rows import (
     CPU_SHARE,
     RowsBudget,
     free_memory_bytes,
+    rows_within,
 )
 
 
@@ -83,6 +84,11 @@ def test_guidance_counts_both_branches(train_dict, tmp_path):
     assert budget.bytes_per_row() == 2 * activation_bytes(1, 1000, budget.layers, element_bytes=4)
     loop.learner.close()
     loop.ports.close()
+
+
+def test_rows_within_is_the_power_of_two_that_fits():
+    assert [rows_within(b, 1.0) for b in (0.0, -5.0, 1.0, 7.9, 8.0, 1000.0)] == [1, 1, 1, 4, 8, 512]
+    assert rows_within(3 * 2**20, 2**20) == 2
 
 
 def test_free_memory_is_read_from_the_system():

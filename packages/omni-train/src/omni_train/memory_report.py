@@ -85,7 +85,7 @@ def _auto_line(gib: float, est: Any, kwargs: dict[str, Any], cfg: int) -> str:
     held exactly the estimate (`omni_train.updates.auto_rows`)."""
     from omni_adapters.memory import GIB, activation_bytes
 
-    from .updates.auto_rows import CUDA_SHARE
+    from .updates.auto_rows import CUDA_SHARE, rows_within
 
     held = sum(v for k, v in est.parts.items() if not k.startswith("activations"))
     per_row = activation_bytes(
@@ -94,8 +94,7 @@ def _auto_line(gib: float, est: Any, kwargs: dict[str, Any], cfg: int) -> str:
         kwargs["num_layers"],
         gradient_checkpointing=kwargs["gradient_checkpointing"],
     )
-    samples = max(1, math.floor(CUDA_SHARE * max(gib * GIB - held, 0.0) / (per_row * cfg)))
-    samples = 1 << (samples.bit_length() - 1)  # as RowsBudget.rows_fit: a power of two
+    samples = rows_within(CUDA_SHARE * (gib * GIB - held), per_row * cfg)
     branches = f" ({samples * cfg} forward rows with the guidance branch)" if cfg > 1 else ""
     return f"    algorithm.rows_per_forward auto: {samples} from the second update on{branches}"
 

@@ -45,6 +45,7 @@ from ..models import build_optimizer, ensure_model, load_policy, load_trainable
 from ..ports import Ports
 from ..recipe import Recipe
 from ..updates import (
+    RowsBudget,
     UpdateContext,
     UpdatePlan,
     UpdateSettings,
@@ -148,6 +149,7 @@ class ActorWorker:
         self.world_size = world_size
         _threads(self.recipe)
         self.timeline: list[tuple[str, float, float]] = []
+        self.rows_budget: RowsBudget | None = None  # rows_per_forward: auto (configure)
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -177,7 +179,7 @@ class ActorWorker:
         from .local import allowed_token_ids
 
         self.recipe = r = _recipe(recipe_json)
-        if getattr(self, "rows_budget", None) is not None:
+        if self.rows_budget is not None:
             self.rows_budget.close()
         self.rows_budget = rows_budget(r, self.adapter)
         self.params_named = self.adapter.named_trainable_parameters()

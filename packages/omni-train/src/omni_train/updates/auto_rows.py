@@ -49,6 +49,7 @@ __all__ = [
     "RowsBudget",
     "free_memory_bytes",
     "rows_budget",
+    "rows_within",
 ]
 
 #: share of the free memory the update's activations may take: on CUDA the estimate is not
@@ -146,11 +147,17 @@ class RowsBudget:
             budget = CUDA_SHARE * free_bytes
         else:
             budget = min(CPU_SHARE * free_bytes, CPU_FORWARD_BYTES)
-        rows = max(1, math.floor(budget / per_row))
-        return 1 << (rows.bit_length() - 1)  # a power of two: small swings keep the plan
+        return rows_within(budget, per_row)
 
     def close(self) -> None:
         self._handle.remove()
+
+
+def rows_within(budget_bytes: float, bytes_per_row: float) -> int:
+    """The largest power of two of rows whose activations fit ``budget_bytes``, at least 1
+    (a power of two: small swings of the free memory keep the plan)."""
+    rows = max(1, math.floor(max(budget_bytes, 0.0) / bytes_per_row))
+    return 1 << (rows.bit_length() - 1)
 
 
 def rows_budget(recipe: Any, adapter: Any) -> RowsBudget | None:
