@@ -42,12 +42,6 @@ def _published_model(recipe: Recipe, published: str | None) -> Any:
     return found
 
 
-def _cfg_rows(recipe: Recipe, family_is_thinker: bool) -> int:
-    r = recipe.rollout
-    cfg = max(r.guidance_scale, r.true_cfg_scale) > 1.0
-    return 2 if cfg and not family_is_thinker else 1
-
-
 #: GPU memory sizes (GiB) reported by default
 GPU_SIZES = {80.0: "A100/H100 80 GB", 141.0: "H200"}
 
@@ -110,6 +104,8 @@ def memory_report(
     from omni_adapters.memory import estimate_training_memory, model_dims, sequence_tokens
     from omni_rewards.sizes import reward_bytes
 
+    from .updates.auto_rows import guidance_branches
+
     if recipe.model.tiny is not None:
         return [
             f"memory: model.tiny {recipe.model.tiny} is a CPU model; --memory is for GPU recipes"
@@ -160,7 +156,7 @@ def memory_report(
     r, a = recipe.rollout, recipe.algorithm
     workers = t.num_workers if t.backend in ("ray", "verl") else 1
     per_worker = math.ceil(recipe.data.prompts_per_step * r.n / workers)
-    cfg = _cfg_rows(recipe, is_thinker)
+    cfg = 1 if is_thinker else guidance_branches(recipe)
     auto = a.rows_per_forward == "auto"  # the first update runs at max_num_seqs rows
     per_forward = r.max_num_seqs if auto else a.rows_per_forward or r.max_num_seqs
     rows = cfg * min(math.ceil(per_worker / a.num_minibatches), per_forward)

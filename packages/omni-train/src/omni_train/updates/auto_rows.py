@@ -25,9 +25,9 @@ with ``g`` = 2 forward rows per sample under classifier-free guidance (both bran
 (a plan's row is a sample), and `omni_train.updates.plan` packs as many window steps (or
 noise draws) per forward as that allows: for the small models that train on a CPU a
 minibatch usually becomes one forward (docs/performance.md measured fewer, larger forwards
-faster there). The first update runs at ``rollout.max_num_seqs`` rows per forward (nothing measured yet);
-the gradient does not depend on the split beyond the order of float additions (1e-5,
-`test_packed_replay.py`), only speed and memory do. Rounding down to a power of two keeps the
+faster there). The first update runs at ``rollout.max_num_seqs`` rows per forward (nothing
+measured yet); the gradient does not depend on the split beyond the order of float additions
+(1e-5, `test_packed_replay.py`), only speed and memory do. Rounding down to a power of two keeps the
 split steady while the free memory moves a little, but a run with ``auto`` is not bit-for-bit
 repeatable (a resumed run starts at ``rollout.max_num_seqs`` again), as ``trainer.threads:
 auto`` is not.
@@ -48,6 +48,7 @@ __all__ = [
     "CUDA_SHARE",
     "RowsBudget",
     "free_memory_bytes",
+    "guidance_branches",
     "rows_budget",
     "rows_within",
 ]
@@ -160,11 +161,19 @@ def rows_within(budget_bytes: float, bytes_per_row: float) -> int:
     return 1 << (rows.bit_length() - 1)
 
 
+def guidance_branches(recipe: Any) -> int:
+    """Forward rows per sample: 2 when a diffusion recipe's classifier-free guidance packs
+    the unconditional branch beside the conditional one, else 1."""
+    r = recipe.rollout
+    guided = max(r.guidance_scale, r.true_cfg_scale) > 1.0 and not recipe.is_omni()
+    return 2 if guided else 1
+
+
 def rows_budget(recipe: Any, adapter: Any) -> RowsBudget | None:
     """A `RowsBudget` on ``adapter`` when the recipe asks for ``rows_per_forward: auto``."""
     if recipe.algorithm.rows_per_forward != "auto":
         return None
     checkpointing = bool(recipe.model.options.get("gradient_checkpointing", False))
-    r = recipe.rollout
-    guided = max(r.guidance_scale, r.true_cfg_scale) > 1.0 and not recipe.is_omni()
-    return RowsBudget(adapter, gradient_checkpointing=checkpointing, branches=2 if guided else 1)
+    return RowsBudget(
+        adapter, gradient_checkpointing=checkpointing, branches=guidance_branches(recipe)
+    )
