@@ -111,6 +111,18 @@ def test_task_weights_set_how_often_each_task_type_is_drawn():
         S.sample_caption(np.random.default_rng(0), "train", dict.fromkeys(S.TASKS, 0.0))
 
 
+def test_split_all_draws_from_both_splits():
+    """ "all" is the whole grammar: both splits' captions come up, about in proportion to their
+    share of each task type; an unknown split names the choices."""
+    rng = np.random.default_rng(0)
+    drawn = [S.sample_caption(rng, "all") for _ in range(2000)]
+    splits = Counter(S.split_of(c) for c in drawn)
+    assert splits["heldout"] > 300 and splits["train"] > 1000
+    assert {c.task for c in drawn} == set(S.TASKS)
+    with pytest.raises(ValueError, match="'train', 'heldout' or 'all'"):
+        S.sample_caption(rng, "every")
+
+
 def test_shipped_split_files_match_write_splits(tmp_path):
     from pathlib import Path
 

@@ -283,7 +283,7 @@ def split_of(caption: Caption | str) -> str:
 def _captions_by_task(split: str) -> dict[str, list[Caption]]:
     by_task: dict[str, list[Caption]] = {}
     for cap in all_captions():
-        if split_of(cap) == split:
+        if split in ("all", split_of(cap)):
             by_task.setdefault(cap.task, []).append(cap)
     return by_task
 
@@ -293,11 +293,12 @@ def sample_caption(
     split: str = "train",
     task_weights: Mapping[str, float] | None = None,
 ) -> Caption:
-    """A caption of ``split``: a task type (among those the split has) uniformly, or with
-    probability proportional to ``task_weights[type]`` (1 for a type it does not name), then
-    a caption of that type uniformly."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split: expected 'train' or 'heldout', got {split!r}")
+    """A caption of ``split`` ("train", "heldout", or "all": every caption of the grammar):
+    a task type (among those the split has) uniformly, or with probability proportional to
+    ``task_weights[type]`` (1 for a type it does not name), then a caption of that type
+    uniformly."""
+    if split not in ("train", "heldout", "all"):
+        raise ValueError(f"split: expected 'train', 'heldout' or 'all', got {split!r}")
     by_task = _captions_by_task(split)
     tasks = sorted(by_task)
     if task_weights is None:
