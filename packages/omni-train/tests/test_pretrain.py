@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 
 import omni_adapters
 from omni_train.cli import main
-from omni_train.pretrain import load_pretrain_config, sample_images
+from omni_train.pretrain import ema_update, load_pretrain_config, sample_images
 
 TINY = [
     "model.layers=1",
@@ -50,9 +50,10 @@ def _digest(model: Path) -> str:
 @pytest.mark.slow
 def test_pretrain_writes_a_model_that_loads_and_samples(tmp_path: Path, capsys) -> None:
     runs = {}
-    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+    ema = ["train.ema_decay=0.5", "train.save_every=2"]
+    for name, seed, extra in (("a", 0, []), ("b", 0, []), ("c", 1, []), ("d", 0, ema)):
         out = tmp_path / name
-        argv = ["pretrain", "shapes_sd3", *TINY, f"seed={seed}", f"output_dir={out}"]
+        argv = ["pretrain", "shapes_sd3", *TINY, *extra, f"seed={seed}", f"output_dir={out}"]
         assert main(argv) == 0
         runs[name] = out
     printed = capsys.readouterr().out
@@ -71,6 +72,16 @@ def test_pretrain_writes_a_model_that_loads_and_samples(tmp_path: Path, capsys) 
     # deterministic given the seed; another seed gives other weights
     assert _digest(a / "model") == _digest(runs["b"] / "model")
     assert _digest(a / "model") != _digest(runs["c"] / "model")
+    # the moving average is what is saved; training itself is untouched, also across the
+    # checkpoint at step 2 that swaps the average in and the trained weights back
+    d = runs["d"]
+    assert (d / "checkpoints" / "step_2" / "model_index.json").is_file()
+    assert _digest(d / "model") != _digest(a / "model")
+    d_rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in d_rows if r["stage"] == "flow"] == [
+        r["loss"] for r in rows if r["stage"] == "flow"
+    ]
+    assert type(omni_adapters.from_pretrained(d / "model")).__name__ == "SD3Adapter"
 
     adapter = omni_adapters.from_pretrained(a / "model")
     assert type(adapter).__name__ == "SD3Adapter"
@@ -95,6 +106,17 @@ def test_pretrain_writes_a_model_that_loads_and_samples(tmp_path: Path, capsys) 
     assert "--evaluate" in capsys.readouterr().err
 
 
+def test_ema_update_follows_its_formula() -> None:
+    import torch
+
+    ema, params = [torch.zeros(3)], [torch.ones(3)]
+    ema_update(ema, params, 0.999, step=0)  # warm-up: d = min(0.999, 1 / 10)
+    assert torch.allclose(ema[0], torch.full((3,), 0.9))
+    ema_update(ema, params, 0.5, step=1000)  # d = 0.5
+    assert torch.allclose(ema[0], torch.full((3,), 0.95))
+    assert torch.equal(params[0], torch.ones(3))
+
+
 def test_pretrain_config_errors_name_the_key(tmp_path: Path, capsys) -> None:
     assert main(["pretrain", "shapes_sd3", "train.stepz=3"]) == 2
     assert "train.stepz" in capsys.readouterr().err
@@ -102,6 +124,11 @@ def test_pretrain_config_errors_name_the_key(tmp_path: Path, capsys) -> None:
     assert "model.image_size" in capsys.readouterr().err
     assert main(["pretrain", "shapes_sd3", "train.timestep_shift=0"]) == 2
     assert "train.timestep_shift" in capsys.readouterr().err
+    assert load_pretrain_config("shapes_sd3", ["split=all"]).split == "all"
+    assert main(["pretrain", "shapes_sd3", "split=every"]) == 2
+    assert "split" in capsys.readouterr().err
+    assert main(["pretrain", "shapes_sd3", "train.ema_decay=1"]) == 2
+    assert "train.ema_decay" in capsys.readouterr().err
     assert main(["pretrain", "shapes_sd3", "train.task_weights.shapes=2"]) == 2
     err = capsys.readouterr().err
     assert "train.task_weights" in err and "unknown task type 'shapes'" in err

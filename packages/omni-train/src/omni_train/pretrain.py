@@ -19,7 +19,8 @@ Two stages, both deterministic given ``seed`` (same machine, same thread count):
    ``t`` logit-normal (``sigmoid(N(0, 1))``, the paper's default) or uniform, then shifted
    as SD3 shifts timesteps for resolution (``s t / (1 + (s - 1) t)``, paper Sec. 5.3.2;
    ``train.timestep_shift``, 1 = none). A fraction ``caption_dropout`` of captions is
-   replaced by ``""`` so classifier-free guidance works.
+   replaced by ``""`` so classifier-free guidance works. With ``train.ema_decay`` the saved
+   weights are the exponential moving average of the trained ones (`ema_update`).
 
 Each step draws ``batch_size`` captions of the split (`omni_rewards.shapes.sample_caption`:
 a task type uniformly, or by ``train.task_weights``, then a caption) and renders each with its own seed. The learning rate
@@ -33,6 +34,7 @@ the held-out accuracy in ``eval.json``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -53,6 +55,7 @@ __all__ = [
     "PretrainConfig",
     "build_toy_sd3",
     "check_model_spec",
+    "ema_update",
     "evaluate",
     "load_pretrain_config",
     "pretrain",
@@ -112,6 +115,14 @@ class FlowStage(_Section):
         0, ge=0, description="the learning rate falls linearly to 0 over the last N steps"
     )
     caption_dropout: float = Field(0.1, ge=0, lt=1)
+    ema_decay: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="keep an exponential moving average of the trained weights with this "
+        "decay and save it instead of the last weights (0: none; 0.999 averages about the "
+        "last 1000 steps)",
+    )
     task_weights: dict[str, float] = Field(
         default_factory=dict,
         description="how often each caption task type is drawn, relative (omni_rewards.shapes."
@@ -142,7 +153,11 @@ class PretrainConfig(_Section):
     """`omni-train pretrain` config (YAML, with ``key=value`` overrides)."""
 
     world: Literal["shapes"] = "shapes"
-    split: Literal["train", "heldout"] = "train"
+    split: Literal["train", "heldout", "all"] = Field(
+        "train",
+        description="the captions trained on (omni_rewards.shapes splits; all: the whole "
+        "grammar, as a released model's pretraining has seen every kind of caption)",
+    )
     seed: int = 0
     threads: int | None = Field(2, ge=1, description="torch CPU threads (None: torch's default)")
     output_dir: str = "runs/pretrain/shapes_sd3"
@@ -330,6 +345,38 @@ def _lr_at(step: int, stage: FlowStage) -> float:
     if stage.decay_steps and left <= stage.decay_steps:
         return stage.lr * left / stage.decay_steps
     return stage.lr
+
+
+def ema_update(
+    ema: list[torch.Tensor], params: list[torch.Tensor], decay: float, step: int
+) -> None:
+    """One step of the weights' exponential moving average, in place:
+    ``ema <- d ema + (1 - d) p`` with ``d = min(decay, (1 + step) / (10 + step))``, the
+    warm-up that keeps the first steps from holding on to the random initialisation
+    (the schedule of TensorFlow's ``ExponentialMovingAverage`` with ``num_updates``)."""
+    d = min(decay, (1 + step) / (10 + step))
+    with torch.no_grad():
+        for e, p in zip(ema, params):
+            e.lerp_(p.detach(), 1.0 - d)
+
+
+@contextlib.contextmanager
+def _weights_swapped(params: list[torch.Tensor], ema: list[torch.Tensor] | None):
+    """Inside the block the parameters hold the moving average (when there is one), so a
+    save writes it; the trained weights come back after."""
+    if ema is None:
+        yield
+        return
+    kept = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, e in zip(params, ema):
+            p.copy_(e)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, k in zip(params, kept):
+                p.copy_(k)
 
 
 def _train_vae(vae, cfg: PretrainConfig, log) -> list[float]:
@@ -545,6 +592,7 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True) -> Path:
     rng = np.random.default_rng([cfg.seed, 2])
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 2)
     weights = st.task_weights or None  # None keeps the uniform draw (and its random stream)
+    ema = [p.detach().clone() for p in params] if st.ema_decay else None
     bar = tqdm(range(st.steps), desc="flow", unit="step", dynamic_ncols=True, disable=not progress)
     for step in bar:
         caps, x = _world_batch(
@@ -563,17 +611,24 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True) -> Path:
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, st.grad_clip)
         opt.step()
+        if ema is not None:
+            ema_update(ema, params, st.ema_decay, step)
         log({"stage": "flow", "step": step + 1, "loss": loss.item(), "grad_norm": float(gnorm),
              "lr": lr, "elapsed_s": round(time.time() - t0, 1)})  # fmt: skip
         bar.set_postfix(loss=f"{loss.item():.4f}")
         if st.save_every and (step + 1) % st.save_every == 0 and step + 1 < st.steps:
             for m in trainable:
                 m.eval()
-            save_toy_sd3(comps, out / "checkpoints" / f"step_{step + 1}")
+            with _weights_swapped(params, ema):
+                save_toy_sd3(comps, out / "checkpoints" / f"step_{step + 1}")
             for m in trainable:
                 m.train()
     for m in trainable:
         m.eval().requires_grad_(False)
+    if ema is not None:  # the model is the moving average from here on
+        with torch.no_grad():
+            for p, e in zip(params, ema):
+                p.copy_(e)
     model_dir = save_toy_sd3(comps, out / "model")
     _plot_losses(rows, out / "loss_curve.png")
     if cfg.sample.prompts:
