@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .lora_folding import fold_lora_linears
+
 __all__ = [
     "ADAPTERS",
     "DEFAULT_STAGE",
@@ -732,6 +734,9 @@ class OmniModelBase:
                 device=self.device
             )
         self._lora_configs[adapter_name] = cfg
+        # the training forward with the adapter folded into the matmul's weight where the
+        # formula allows (float32, one plain adapter): fewer passes over the activations
+        fold_lora_linears(self.model)
         if trainable:
             self._trainable_adapter = adapter_name
             self._activate(adapter_name)

