@@ -33,14 +33,18 @@ class _FoldedLoRALinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias, lora_a: Tensor, lora_b: Tensor, scaling):
         folded = torch.addmm(weight, lora_b, lora_a, alpha=scaling)  # W + s B A
         ctx.scaling = scaling
-        ctx.save_for_backward(x, folded, lora_a, lora_b)
+        # the parameters, not W': the backward recomputes W' (out x in x rank multiply-adds)
+        # rather than hold a second copy of the weight per forward until its backward
+        ctx.save_for_backward(x, weight, lora_a, lora_b)
         return nn.functional.linear(x, folded, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, folded, lora_a, lora_b = ctx.saved_tensors
+        x, weight, lora_a, lora_b = ctx.saved_tensors
         s = ctx.scaling
-        dx = grad @ folded if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = grad @ torch.addmm(weight, lora_b, lora_a, alpha=s)
         g2 = grad.reshape(-1, grad.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         d_a = s * (g2 @ lora_b).t() @ x2 if ctx.needs_input_grad[3] else None
