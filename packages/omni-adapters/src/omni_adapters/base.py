@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .lora_folding import fold_lora_linears
+from .lora_folding import fold_lora_linears, folded_weight
 
 __all__ = [
     "ADAPTERS",
@@ -978,7 +978,7 @@ class OmniModelBase:
         for full, m in self._merged.items():
             a = lora[f"{full}.lora_A.weight"].to(m.base.device, torch.float32)
             b = lora[f"{full}.lora_B.weight"].to(m.base.device, torch.float32)
-            w = torch.addmm(m.base.to(torch.float32), b, a, alpha=m.scale)
+            w = folded_weight(m.base.to(torch.float32), a, b, m.scale)
             m.layer.weight.copy_(w.to(m.layer.weight.dtype))
         self._merged_lora = {
             k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in lora.items()

@@ -25,13 +25,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["fold_lora_linears", "unfold_lora_linears"]
+__all__ = ["fold_lora_linears", "folded_weight", "unfold_lora_linears"]
+
+
+def folded_weight(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
+    """``W + s B A``: the weight of a LoRA linear with its adapter folded in (Hu et al. 2021;
+    also what a merged rollout copy holds)."""
+    return torch.addmm(weight, lora_b, lora_a, alpha=scaling)
 
 
 class _FoldedLoRALinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias, lora_a: Tensor, lora_b: Tensor, scaling):
-        folded = torch.addmm(weight, lora_b, lora_a, alpha=scaling)  # W + s B A
+        folded = folded_weight(weight, lora_a, lora_b, scaling)
         ctx.scaling = scaling
         # the parameters, not W': the backward recomputes W' (out x in x rank multiply-adds)
         # rather than hold a second copy of the weight per forward until its backward
@@ -44,7 +50,7 @@ class _FoldedLoRALinear(torch.autograd.Function):
         s = ctx.scaling
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = grad @ torch.addmm(weight, lora_b, lora_a, alpha=s)
+            dx = grad @ folded_weight(weight, lora_a, lora_b, s)
         g2 = grad.reshape(-1, grad.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         d_a = s * (g2 @ lora_b).t() @ x2 if ctx.needs_input_grad[3] else None

@@ -625,11 +625,8 @@ def pretrain(cfg: PretrainConfig, *, progress: bool = True) -> Path:
                 m.train()
     for m in trainable:
         m.eval().requires_grad_(False)
-    if ema is not None:  # the model is the moving average from here on
-        with torch.no_grad():
-            for p, e in zip(params, ema):
-                p.copy_(e)
-    model_dir = save_toy_sd3(comps, out / "model")
+    with _weights_swapped(params, ema):  # the saved model is the moving average
+        model_dir = save_toy_sd3(comps, out / "model")
     _plot_losses(rows, out / "loss_curve.png")
     if cfg.sample.prompts:
         evaluate(model_dir, cfg.sample, out)
