@@ -23,6 +23,10 @@ stay equal (printed).
 
 ``--sides ours,reference,ours-thread`` adds ours with the waves in the engine's scheduler
 thread, as the engine ran them before (the thread penalty, docs/performance.md).
+``--sides ours,ours-base`` adds ours without the LoRA (``lora.enabled: false``, so the update
+trains every weight): its rollout forwards the base model, and the rollout ratio
+ours-base / ours tells what the LoRA costs our rollout (merged into the rollout copy's
+weights, it should cost nothing).
 
 ``--device cuda --dtype bfloat16`` runs both sides on a GPU in bf16 (ours through the
 recipe's ``model.device`` / ``model.dtype``); ``--models sd35-medium`` is the released
@@ -40,6 +44,7 @@ may be shared.
     bash benchmarks/device/vs_reference_sd35.sh                            # H200, sd35-medium
     uv run python benchmarks/vs_reference_loop.py --models tiny,cpu,cpu-large --repeats 3
     uv run python benchmarks/vs_reference_loop.py --models tiny --sides ours,ours-thread
+    uv run python benchmarks/vs_reference_loop.py --models cpu --sides ours,ours-base
 """
 
 from __future__ import annotations
@@ -308,7 +313,10 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
                 "clip_range": CLIP,
                 "rows_per_forward": _replay_rows(a),
             },
-            "lora": {"rank": RANK, "alpha": ALPHA},
+            # ours-base: the base model's rollout (the update then trains every weight)
+            "lora": {"enabled": False}
+            if a.child == "ours-base"
+            else {"rank": RANK, "alpha": ALPHA},
             "optimizer": {"lr": LR},
             "trainer": {
                 "steps": a.warmup + a.steps,
@@ -607,7 +615,7 @@ PHASES = (
     "backward",
     "peak_gib",
 )
-SIDES = ("ours", "reference", "ours-thread")
+SIDES = ("ours", "reference", "ours-thread", "ours-base")
 
 
 def child(a: argparse.Namespace) -> None:
@@ -685,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sides",
         default="ours,reference",
         help="of: ours, reference, ours-thread (ours with the waves in the engine's scheduler "
-        "thread, as before: the thread penalty)",
+        "thread, as before: the thread penalty), ours-base (ours without the LoRA: its "
+        "rollout is the base model's)",
     )
     ap.add_argument(
         "--kl-metric",

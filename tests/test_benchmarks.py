@@ -126,14 +126,15 @@ def test_full_width_pipeline_runs_through_both_loaders(tmp_path):
 @pytest.mark.slow
 def test_script_runs_on_cpu_in_bfloat16():
     """``--device cpu --dtype bfloat16``: both sides train a step in bf16 and the table
-    prints, with equal transformer rows on both sides; ours with `rows_per_forward: auto`."""
+    prints, with equal transformer rows on both sides; ours with `rows_per_forward: auto`;
+    ``ours-base`` (ours without the LoRA, its rollout the base model's) forwards as many."""
     cmd = [
         sys.executable,
         str(SCRIPT),
         *("--device", "cpu", "--dtype", "bfloat16", "--models", "tiny"),
         *("--repeats", "1", "--steps", "1", "--warmup", "0"),
         *("--prompts", "2", "--n", "2", "--batch", "4", "--num-steps", "2", "--threads", "1"),
-        *("--ours-replay", "auto"),
+        *("--ours-replay", "auto", "--sides", "ours,reference,ours-base"),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -141,6 +142,8 @@ def test_script_runs_on_cpu_in_bfloat16():
     assert "(ours 4 rows per forward, replay auto)" in out.stdout
     assert "| tiny | step |" in out.stdout
     # N=4 samples x 2 steps in the rollout, 4 x 1 trained timestep in the update
-    assert "transformer rows forwarded per step (equal work): tiny: ours 12, reference 12" in (
+    rows = "transformer rows forwarded per step (equal work): tiny: ours 12, reference 12, "
+    assert rows + "ours-base 12" in out.stdout
+    assert "| model | phase | ours s | reference s | reference / ours | ours-base s |" in (
         out.stdout
     )
