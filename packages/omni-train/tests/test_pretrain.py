@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 import omni_adapters
 from omni_train.cli import main
 from omni_train.pretrain import ema_update, load_pretrain_config, sample_images
+from omni_train.recipes_cli import recipes_root
 
 TINY = [
     "model.layers=1",
@@ -104,6 +105,41 @@ def test_pretrain_writes_a_model_that_loads_and_samples(tmp_path: Path, capsys) 
     assert (ev_dir / "samples.png").is_file()
     assert main(["pretrain", "shapes_sd3", "--evaluate", str(tmp_path / "none")]) == 2
     assert "--evaluate" in capsys.readouterr().err
+
+    # the toy world's RL recipe runs on such a model (2 steps, validated on the held-out colour
+    # pairs), and `omni-train eval` scores the run's LoRA with the shapes reward
+    recipes = recipes_root()
+    data = recipes / "data" / "shapes"
+    run = tmp_path / "rl"
+    argv = [
+        str(recipes / "toy" / "shapes_colors_flowgrpo.yaml"),
+        f"model.path={a / 'model'}",
+        f"data.file={data / 'colors_train.txt'}",
+        f"data.val_file={data / 'colors_heldout.txt'}",
+        "data.prompts_per_step=2",
+        "rollout.n=2",
+        "rollout.num_steps=3",
+        "rollout.sde_window_size=1",
+        "rollout.sde_window_range=[0,2]",
+        "trainer.steps=2",
+        "trainer.val_every=2",
+        "trainer.val_num_steps=2",
+        "trainer.val_samples_per_prompt=1",
+        "trainer.progress=false",
+        f"trainer.output_dir={run}",
+    ]
+    assert main(argv) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in rows if "val/reward_mean" in r]
+    assert [r["step"] for r in val] == [0, 2]
+    assert all(0.0 <= r["val/reward_mean"] <= 1.0 for r in val)
+    assert "val/task_colors_mean" in val[-1]
+    capsys.readouterr()
+    argv = ["eval", str(run), "--prompts", str(data / "colors_heldout.txt"), "--reward", "shapes"]
+    argv += ["--n", "1", "--out", str(tmp_path / "ev_rl"), "--no-progress", "rollout.num_steps=2"]
+    assert main(argv) == 0
+    ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert ev["kind"] == "run" and ev["count"] == 4 and set(ev["per_task"]) == {"colors"}
 
 
 def test_ema_update_follows_its_formula() -> None:
