@@ -136,7 +136,7 @@ def test_pretrain_writes_a_model_that_loads_and_samples(tmp_path: Path, capsys) 
     assert "val/task_colors_mean" in val[-1]
     capsys.readouterr()
     argv = ["eval", str(run), "--prompts", str(data / "colors_heldout.txt"), "--reward", "shapes"]
-    argv += ["--n", "1", "--out", str(tmp_path / "ev_rl"), "--no-progress", "rollout.num_steps=2"]
+    argv += ["--n", "1", "--out", str(tmp_path / "ev_rl"), "--no-progress"]
     assert main(argv) == 0
     ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ev["kind"] == "run" and ev["count"] == 4 and set(ev["per_task"]) == {"colors"}
