@@ -57,6 +57,15 @@ def still_frames(media: np.ndarray) -> np.ndarray:
     return media[:, media.shape[1] // 2] if media.ndim == 5 else media
 
 
+def nan_mean(values: Any) -> float:
+    """The mean of the values that are not NaN, or NaN when none is: a reward detail such as
+    ``task_counting`` is NaN for the samples it does not apply to, and a batch may hold none
+    (``np.nanmean`` would warn "Mean of empty slice" into every step's log)."""
+    arr = np.asarray(values, dtype=np.float64)
+    kept = arr[~np.isnan(arr)]
+    return float(kept.mean()) if kept.size else float("nan")
+
+
 def group_stats(rewards: np.ndarray, n: int, trajs: list[Any]) -> dict[str, float]:
     """Per prompt group of ``n`` samples: the fraction of groups whose rewards are all equal
     (no advantage, no gradient: `reward/frac_zero_std`), and how different the group's
@@ -360,7 +369,7 @@ class DiffusionLoop:
         for k, v in (out.details or {}).items():
             arr = np.asarray(v)
             if arr.ndim == 1 and np.issubdtype(arr.dtype, np.number) and len(arr) == len(scores):
-                metrics[f"val/{k}_mean"] = float(np.nanmean(arr))
+                metrics[f"val/{k}_mean"] = nan_mean(arr)
         return metrics
 
     # ------------------------------------------------------------------ the loop
@@ -461,7 +470,7 @@ class DiffusionLoop:
             "reward/max": float(rewards.max()),
         }
         for k, v in details.items():
-            row[f"reward/{k}_mean"] = float(np.nanmean(v))
+            row[f"reward/{k}_mean"] = nan_mean(v)
         row.update(group_stats(rewards, r.rollout.n, trajs))
         row.update(info)
         row.update(metrics)
