@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[3]
 REPO_RECIPES = sorted(
     p.relative_to(REPO / "recipes").with_suffix("").as_posix()
     for p in (REPO / "recipes").rglob("*.yaml")
-    if "data" not in p.relative_to(REPO / "recipes").parts[:1]
+    if p.relative_to(REPO / "recipes").parts[0] not in ("data", "models")
 )
 
 
@@ -63,6 +63,16 @@ def test_copy_then_validate_from_that_folder(tmp_path, monkeypatch, capsys) -> N
     data_file = Path(yaml.safe_load(edit.read_text())["data"]["file"])
     rows = [json.loads(line) for line in data_file.read_text().splitlines()]
     assert rows and all((data_file.parent / row["image"]).is_file() for row in rows)
+    # a recipe on the shipped toy model gets the model folder (recipes/models/) with it
+    assert main(["recipes", "copy", "toy/shapes_colors_flowgrpo"]) == 0
+    toy = Path("recipes/toy/shapes_colors_flowgrpo.yaml")
+    model = Path(yaml.safe_load(toy.read_text())["model"]["path"])
+    assert model == Path("recipes/models/shapes_sd3")
+    shipped = REPO / model
+    assert sorted(p.relative_to(model).as_posix() for p in model.rglob("*")) == sorted(
+        p.relative_to(shipped).as_posix() for p in shipped.rglob("*")
+    )
+    assert main(["validate", str(toy)]) == 0
 
 
 def test_copy_refuses_to_overwrite_and_names_the_file(tmp_path, capsys) -> None:
@@ -115,6 +125,7 @@ def test_the_wheel_carries_every_recipe(tmp_path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for rel in REPO_RECIPES:
         assert f"omni_train/recipes/{rel}.yaml" in names, rel
-    data = [p for p in (REPO / "recipes" / "data").rglob("*") if p.is_file()]
+    data = [p for d in ("data", "models") for p in (REPO / "recipes" / d).rglob("*") if p.is_file()]
+    assert any(p.name == "diffusion_pytorch_model.safetensors" for p in data)  # recipes/models
     for path in data:
         assert f"omni_train/recipes/{path.relative_to(REPO / 'recipes').as_posix()}" in names

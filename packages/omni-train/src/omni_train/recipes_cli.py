@@ -4,7 +4,8 @@ The repository's ``recipes/`` folder ships inside the omni-train wheel as ``omni
 (``packages/omni-train/hatch_build.py``), so a pip install has every recipe without a clone.
 ``copy`` writes the recipe to ``DIR/recipes/NAME.yaml``: the path the recipe's own comments and
 the README use, so ``omni-train recipes/quickstart.yaml`` runs as written from DIR. The data
-folders a recipe reads from ``recipes/data/`` come with it; for the datasets ``omni-train
+folders a recipe reads from ``recipes/data/``, and the model folders from ``recipes/models/``
+(the shapes world's toy SD3), come with it; for the datasets ``omni-train
 prepare`` writes (``data/<name>/``) it prints the command to make them.
 """
 
@@ -24,6 +25,11 @@ import yaml
 from .recipe import RecipeError
 
 __all__ = ["ShippedRecipe", "copy_recipe", "main", "recipes_root", "shipped_recipes"]
+
+
+# folders under recipes/ that hold what recipes read (prompt files, images, model weights), not
+# recipes; `copy_recipe` copies the ones a recipe names
+SHIPPED_FOLDERS = ("data", "models")
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,7 @@ def shipped_recipes() -> list[ShippedRecipe]:
     found = []
     for path in sorted(root.rglob("*.yaml")):
         rel = path.relative_to(root)
-        if rel.parts[0] == "data":
+        if rel.parts[0] in SHIPPED_FOLDERS:
             continue
         found.append(ShippedRecipe(rel.with_suffix("").as_posix(), path, _summary(_load(path))))
     return found
@@ -109,13 +115,14 @@ def _strings(value: Any) -> Iterator[str]:
 
 
 def _shipped_data(recipe: dict[str, Any]) -> list[str]:
-    """The ``recipes/data/<name>`` folders the recipe's values point into, e.g.
-    ``recipes/data/edit_tiny/train.jsonl`` -> ``data/edit_tiny`` (relative to recipes/)."""
+    """The ``recipes/data/<name>`` and ``recipes/models/<name>`` folders the recipe's values
+    point into, e.g. ``recipes/data/edit_tiny/train.jsonl`` -> ``data/edit_tiny`` (relative to
+    recipes/)."""
     folders = set()
     for text in _strings(recipe):
         parts = PurePosixPath(text).parts
-        if len(parts) >= 3 and parts[:2] == ("recipes", "data"):
-            folders.add(f"data/{parts[2]}")
+        if len(parts) >= 3 and parts[0] == "recipes" and parts[1] in SHIPPED_FOLDERS:
+            folders.add(f"{parts[1]}/{parts[2]}")
     return sorted(folders)
 
 
@@ -136,8 +143,8 @@ def _prepare_hints(recipe: dict[str, Any], to: Path) -> list[str]:
 
 
 def copy_recipe(name: str, to: str | Path = ".", *, force: bool = False) -> list[Path]:
-    """Copy recipe ``name`` (and the ``recipes/data`` folders it reads) under ``to``; returns
-    the written recipe path first, then the data folders. Refuses, changing nothing, when a
+    """Copy recipe ``name`` (and the ``recipes/data`` and ``recipes/models`` folders it reads)
+    under ``to``; returns the written recipe path first, then those folders. Refuses, changing nothing, when a
     target exists and ``force`` is false."""
     recipe = _find(name)
     root = recipes_root()
@@ -170,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
         "copy",
         help="copy a recipe to DIR/recipes/NAME.yaml",
         description="Copy a shipped recipe to DIR/recipes/NAME.yaml (with the recipes/data "
-        "folders it reads), so `omni-train recipes/NAME.yaml` runs from DIR.",
+        "and recipes/models folders it reads), so `omni-train recipes/NAME.yaml` runs from DIR.",
     )
     c.add_argument("name", help="recipe name, as `omni-train recipes list` prints it")
     c.add_argument("--to", default=".", help="destination folder (default: the current one)")
