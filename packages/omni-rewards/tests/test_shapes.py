@@ -132,7 +132,7 @@ def test_shipped_split_files_match_write_splits(tmp_path):
     paths = S.write_splits(tmp_path, per_task=32, seed=0)
     for split, path in paths.items():
         assert (shipped / f"{split}.txt").read_text() == path.read_text()
-        # colors_<split>.txt (recipes/toy/shapes_colors_flowgrpo.yaml): its colour captions
+        # colors_<split>.txt (recipes/quickstart.yaml): its colour captions
         lines = path.read_text().splitlines()
         colors = [p for p, task in zip(lines, S.task_types(lines)) if task == "colors"]
         assert (shipped / f"colors_{split}.txt").read_text().splitlines() == colors

@@ -1,4 +1,5 @@
-"""The quickstart learns: a shortened run's reward mean rises (runs in CI, ~1 minute)."""
+"""The tiny random SD3 recipe (recipes/tiny/sd3_brightness_flowgrpo.yaml) learns: a shortened
+run's reward mean rises (runs in CI, ~1 minute)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ from omni_train.recipe import load_recipe
 TIMING_PREFIXES = ("timing/", "perf/")
 
 REPO = Path(__file__).resolve().parents[3]
-QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+TINY_RECIPE = REPO / "recipes" / "tiny" / "sd3_brightness_flowgrpo.yaml"
 
 
 @pytest.mark.slow
-def test_shortened_quickstart_learns(tmp_path: Path, tiny_sd3: Path) -> None:
+def test_shortened_tiny_recipe_learns(tmp_path: Path, tiny_sd3: Path) -> None:
     recipe = load_recipe(
-        QUICKSTART,
+        TINY_RECIPE,
         [
             f"model.path={tiny_sd3}",
             f"trainer.output_dir={tmp_path / 'qs'}",
@@ -54,9 +55,9 @@ def test_shortened_quickstart_learns(tmp_path: Path, tiny_sd3: Path) -> None:
 def test_forward_process_losses_learn(
     tmp_path: Path, tiny_sd3: Path, loss: str, options: list[str]
 ) -> None:
-    """DiffusionNFT and online DPO on the quickstart (ODE rollout): the reward rises."""
+    """DiffusionNFT and online DPO on the tiny recipe (ODE rollout): the reward rises."""
     recipe = load_recipe(
-        QUICKSTART,
+        TINY_RECIPE,
         [
             f"model.path={tiny_sd3}",
             f"trainer.output_dir={tmp_path / loss}",
@@ -82,14 +83,14 @@ def test_forward_process_losses_learn(
 
 @pytest.mark.slow
 def test_mix_grpo_trains_a_sliding_window_and_learns(tmp_path: Path, tiny_sd3: Path) -> None:
-    """MixGRPO on the quickstart: one trained SDE step per trajectory (the quickstart's FlowGRPO
+    """MixGRPO on the tiny recipe: one trained SDE step per trajectory (its FlowGRPO
     trains two), the window moving as `omni_algos.sde.mix_grpo_window` schedules it, and the
     reward still rises."""
     from omni_algos.sde import mix_grpo_window
 
     steps = 15
     recipe = load_recipe(
-        QUICKSTART,
+        TINY_RECIPE,
         [
             f"model.path={tiny_sd3}",
             f"trainer.output_dir={tmp_path / 'mix'}",
@@ -104,7 +105,7 @@ def test_mix_grpo_trains_a_sliding_window_and_learns(tmp_path: Path, tiny_sd3: P
             "trainer.sample_every=0",
         ],
     )
-    flow = load_recipe(QUICKSTART)
+    flow = load_recipe(TINY_RECIPE)
     assert recipe.rollout.sde_window_size < flow.rollout.sde_window_size
     rows = train(recipe)
     want = [
@@ -165,7 +166,7 @@ def test_sigkill_then_resume_matches(tmp_path: Path, tiny_sd3: Path) -> None:
         "rollout.n=4",
         "data.prompts_per_step=2",
     ]
-    train(load_recipe(QUICKSTART, [*over, f"trainer.output_dir={tmp_path / 'full'}"]))
+    train(load_recipe(TINY_RECIPE, [*over, f"trainer.output_dir={tmp_path / 'full'}"]))
     full = read_metrics(tmp_path / "full" / "metrics.jsonl")  # with the step-0 baseline row
     run = tmp_path / "killed"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -174,7 +175,7 @@ def test_sigkill_then_resume_matches(tmp_path: Path, tiny_sd3: Path) -> None:
             sys.executable,
             "-m",
             "omni_train.cli",
-            str(QUICKSTART),
+            str(TINY_RECIPE),
             *over,
             f"trainer.output_dir={run}",
         ],

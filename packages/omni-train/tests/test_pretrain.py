@@ -114,13 +114,14 @@ def test_pretrain_writes_a_model_that_loads_and_samples(tmp_path: Path, capsys) 
     assert main(["pretrain", "shapes_sd3", "--evaluate", str(tmp_path / "none")]) == 2
     assert "--evaluate" in capsys.readouterr().err
 
-    # the toy world's RL recipe runs on such a model (2 steps, validated on the held-out colour
-    # pairs), and `omni-train eval` scores the run's LoRA with the shapes reward
+    # the quickstart (FlowGRPO on the toy world) runs on such a model (2 steps, validated on
+    # the held-out colour pairs), and `omni-train eval` scores the run's LoRA with the shapes
+    # reward
     recipes = recipes_root()
     data = recipes / "data" / "shapes"
     run = tmp_path / "rl"
     argv = [
-        str(recipes / "toy" / "shapes_colors_flowgrpo.yaml"),
+        str(recipes / "quickstart.yaml"),
         f"model.path={a / 'model'}",
         f"data.file={data / 'colors_train.txt'}",
         f"data.val_file={data / 'colors_heldout.txt'}",
@@ -168,7 +169,7 @@ def _tensor_shapes(model: Path) -> dict[str, dict[str, tuple[int, ...]]]:
 
 @pytest.mark.slow
 def test_the_shipped_toy_model_is_what_its_card_says(tmp_path: Path, capsys) -> None:
-    """recipes/models/shapes_sd3 (the base of recipes/toy/): its weights are the ones its
+    """recipes/models/shapes_sd3 (the quickstart's base): its weights are the ones its
     README's digest names, its architecture and tokenizers are the shipped pretraining
     config's, and it draws single coloured objects (`omni-train eval`, the card's command)."""
     shipped = recipes_root() / "models" / "shapes_sd3"

@@ -1,5 +1,5 @@
-"""The quickstart on trainer.backend ray, end to end through the CLI: validation, sample grids,
-checkpoints with the optimizer state, and a SIGKILLed run resumed (`omni-train resume`) on the
+"""The tiny random SD3 recipe on trainer.backend ray, end to end through the CLI: validation,
+sample grids, checkpoints with the optimizer state, and a SIGKILLed run resumed (`omni-train resume`) on the
 backend it ran on ends with the metrics of the uninterrupted run.
 
 The runs connect to the test session's Ray cluster (RAY_ADDRESS), so killing a run's driver
@@ -24,7 +24,7 @@ from omni_train.logger import read_metrics
 pytest.importorskip("ray")
 
 REPO = Path(__file__).resolve().parents[3]
-QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+TINY_RECIPE = REPO / "recipes" / "tiny" / "sd3_brightness_flowgrpo.yaml"
 TIMING_PREFIXES = ("timing/", "perf/")
 
 OVERRIDES = [
@@ -61,10 +61,10 @@ def _finish(proc: subprocess.Popen, timeout: float = 1200) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # three CLI runs, each starting Python, torch and five Ray workers
-def test_quickstart_on_ray_validates_saves_and_resumes_after_sigkill(ray_session, tmp_path):
+def test_tiny_recipe_on_ray_validates_saves_and_resumes_after_sigkill(ray_session, tmp_path):
     address = ray_session.get_runtime_context().gcs_address
     full = tmp_path / "full"
-    _finish(_cli([str(QUICKSTART), *OVERRIDES, f"trainer.output_dir={full}"], address))
+    _finish(_cli([str(TINY_RECIPE), *OVERRIDES, f"trainer.output_dir={full}"], address))
     rows = read_metrics(full / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # 0: the validation baseline
     assert all("val/reward_mean" in rows[i] for i in (0, 2, 4))
@@ -78,7 +78,7 @@ def test_quickstart_on_ray_validates_saves_and_resumes_after_sigkill(ray_session
         assert any(k.endswith("exp_avg_sq") for k in names)
 
     run = tmp_path / "killed"
-    proc = _cli([str(QUICKSTART), *OVERRIDES, f"trainer.output_dir={run}"], address)
+    proc = _cli([str(TINY_RECIPE), *OVERRIDES, f"trainer.output_dir={run}"], address)
     deadline = time.monotonic() + 900
     try:
         while time.monotonic() < deadline and proc.poll() is None:

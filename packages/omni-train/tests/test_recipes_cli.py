@@ -33,7 +33,7 @@ def test_list_names_every_recipe(capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == REPO_RECIPES
     quickstart = next(line for line in lines if line.startswith("quickstart "))
-    assert "tiny random sd3 (CPU), flow_grpo, reward brightness, LoRA r8" in quickstart
+    assert "shapes_sd3, flow_grpo, reward shapes, LoRA r16" in quickstart
     # what recipes_root() holds is the repository's recipes, byte for byte
     for recipe in shipped_recipes():
         source = REPO / "recipes" / recipe.path.relative_to(recipes_root())
@@ -63,16 +63,15 @@ def test_copy_then_validate_from_that_folder(tmp_path, monkeypatch, capsys) -> N
     data_file = Path(yaml.safe_load(edit.read_text())["data"]["file"])
     rows = [json.loads(line) for line in data_file.read_text().splitlines()]
     assert rows and all((data_file.parent / row["image"]).is_file() for row in rows)
-    # a recipe on the shipped toy model gets the model folder (recipes/models/) with it
-    assert main(["recipes", "copy", "toy/shapes_colors_flowgrpo"]) == 0
-    toy = Path("recipes/toy/shapes_colors_flowgrpo.yaml")
-    model = Path(yaml.safe_load(toy.read_text())["model"]["path"])
+    # the quickstart trains the shipped toy model: the model folder (recipes/models/) and the
+    # prompt files come with it
+    model = Path(yaml.safe_load(copied.read_text())["model"]["path"])
     assert model == Path("recipes/models/shapes_sd3")
     shipped = REPO / model
     assert sorted(p.relative_to(model).as_posix() for p in model.rglob("*")) == sorted(
         p.relative_to(shipped).as_posix() for p in shipped.rglob("*")
     )
-    assert main(["validate", str(toy)]) == 0
+    assert Path(yaml.safe_load(copied.read_text())["data"]["val_file"]).is_file()
 
 
 def test_copy_refuses_to_overwrite_and_names_the_file(tmp_path, capsys) -> None:
@@ -85,7 +84,8 @@ def test_copy_refuses_to_overwrite_and_names_the_file(tmp_path, capsys) -> None:
     assert "--force" in err
     assert target.read_text() == "# my edits\n"  # nothing changed
     written = copy_recipe("quickstart", tmp_path, force=True)
-    assert written == [target]
+    recipes = tmp_path / "recipes"
+    assert written == [target, recipes / "data" / "shapes", recipes / "models" / "shapes_sd3"]
     assert target.read_bytes() == (REPO / "recipes" / "quickstart.yaml").read_bytes()
 
 
