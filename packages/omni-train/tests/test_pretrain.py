@@ -114,7 +114,7 @@ def test_pretrain_writes_a_model_that_loads_and_samples(tmp_path: Path, capsys) 
     assert main(["pretrain", "shapes_sd3", "--evaluate", str(tmp_path / "none")]) == 2
     assert "--evaluate" in capsys.readouterr().err
 
-    # the quickstart (FlowGRPO on the toy world) runs on such a model (2 steps, validated on
+    # the quickstart (MixGRPO on the toy world) runs on such a model (2 steps, validated on
     # the held-out colour pairs), and `omni-train eval` scores the run's LoRA with the shapes
     # reward
     recipes = recipes_root()

@@ -33,7 +33,7 @@ def test_list_names_every_recipe(capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == REPO_RECIPES
     quickstart = next(line for line in lines if line.startswith("quickstart "))
-    assert "shapes_sd3, flow_grpo, reward shapes, LoRA r16" in quickstart
+    assert "shapes_sd3, mix_grpo, reward shapes, LoRA r16" in quickstart
     # what recipes_root() holds is the repository's recipes, byte for byte
     for recipe in shipped_recipes():
         source = REPO / "recipes" / recipe.path.relative_to(recipes_root())
