@@ -1,6 +1,6 @@
 """The tiny random SD3 recipe on trainer.backend ray, end to end through the CLI: validation,
-sample grids, checkpoints with the optimizer state, and a SIGKILLed run resumed (`omni-train resume`) on the
-backend it ran on ends with the metrics of the uninterrupted run.
+sample grids, checkpoints with the optimizer state, and a SIGKILLed run resumed (`omni-train
+resume`) on the backend it ran on ends with the metrics of the uninterrupted run.
 
 The runs connect to the test session's Ray cluster (RAY_ADDRESS), so killing a run's driver
 takes its actors with it and leaves the cluster for the next run.

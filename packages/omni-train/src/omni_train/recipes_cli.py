@@ -114,7 +114,7 @@ def _strings(value: Any) -> Iterator[str]:
             yield from _strings(v)
 
 
-def _shipped_data(recipe: dict[str, Any]) -> list[str]:
+def _shipped_folders(recipe: dict[str, Any]) -> list[str]:
     """The ``recipes/data/<name>`` and ``recipes/models/<name>`` folders the recipe's values
     point into, e.g. ``recipes/data/edit_tiny/train.jsonl`` -> ``data/edit_tiny`` (relative to
     recipes/)."""
@@ -144,13 +144,13 @@ def _prepare_hints(recipe: dict[str, Any], to: Path) -> list[str]:
 
 def copy_recipe(name: str, to: str | Path = ".", *, force: bool = False) -> list[Path]:
     """Copy recipe ``name`` (and the ``recipes/data`` and ``recipes/models`` folders it reads)
-    under ``to``; returns the written recipe path first, then those folders. Refuses, changing nothing, when a
-    target exists and ``force`` is false."""
+    under ``to``; returns the written recipe path first, then those folders. Refuses, changing
+    nothing, when a target exists and ``force`` is false."""
     recipe = _find(name)
     root = recipes_root()
     to = Path(to).expanduser()
     content = _load(recipe.path)
-    sources = [recipe.path, *(root / folder for folder in _shipped_data(content))]
+    sources = [recipe.path, *(root / folder for folder in _shipped_folders(content))]
     targets = [to / "recipes" / src.relative_to(root) for src in sources]
     existing = [t for t in targets if t.exists()]
     if existing and not force:
