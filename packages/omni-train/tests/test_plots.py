@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from omni_train.plots import CHAR, LINE, prompt_grid, save_prompt_grid
+from omni_train.plots import CHAR, LINE, prompt_grid, save_prompt_grid, score_labels
 
 
 def _images(b: int, h: int = 32) -> np.ndarray:
@@ -50,3 +50,20 @@ def test_mismatched_counts_name_them(tmp_path) -> None:
         prompt_grid(_images(0), [], per_prompt=1)
     path = save_prompt_grid(_images(4), tmp_path / "g" / "grid.png", ["a", "b"], 2)
     assert Image.open(path).size[0] > 0
+
+
+def test_a_verdict_reward_labels_samples_with_words() -> None:
+    """The `shapes` reward's verdict reads as a word under each sample: "ok", or the first
+    part that failed; a reward without a verdict keeps its score."""
+    from omni_rewards import RewardInput
+    from omni_rewards.shapes import ShapesReward, render
+
+    images = np.stack(
+        [np.asarray(render(c, seed=3)) for c in ("a red circle", "a blue circle", "two red circles")]
+    )
+    prompts = ["a red circle"] * 3
+    out = ShapesReward()(RewardInput(images=images, prompts=prompts))
+    assert score_labels(out.scores, out.details) == ["ok", "no: colour", "no: count"]
+    assert score_labels(np.array([0.25, 1.0])) == ["0.25", "1.00"]
+    # each label fits under a 96-pixel tile
+    assert all(len(x) <= 96 // CHAR for x in score_labels(out.scores, out.details))

@@ -67,7 +67,7 @@ from .data import read_data_file
 from .errors import TrainError
 from .loops.diffusion import group_stats, media_fields, still_frames
 from .models import ensure_model, is_saved_model, load_policy, load_trainable, quiet_libraries
-from .plots import save_prompt_grid
+from .plots import save_prompt_grid, score_labels
 from .recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict, unknown_name
 from .rewards import build_reward
 from .seeds import DOMAIN_VAL, derive_seed
@@ -383,7 +383,11 @@ def evaluate(
         entry["distinct"] = len({m.tobytes() for m in media[i * n : (i + 1) * n]})
     dest.mkdir(parents=True, exist_ok=True)
     save_prompt_grid(
-        still_frames(media), dest / "grid.png", prompts, n, labels=[f"{s:.2f}" for s in scores]
+        still_frames(media),
+        dest / "grid.png",
+        prompts,
+        n,
+        labels=score_labels(scores, result.details),
     )
     (dest / "eval.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

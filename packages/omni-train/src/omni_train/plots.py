@@ -59,6 +59,32 @@ def plot_reward_curve(
     return out
 
 
+# a GenEval-style reward's 0/1 parts, in the order each needs the one before it (see
+# omni_rewards.shapes.check_image); the first that fails names what went wrong
+VERDICT_PARTS = ("count", "object", "colour", "position")
+
+
+def score_labels(scores: np.ndarray, details: dict[str, Any] | None = None) -> list[str]:
+    """A caption for each sample of a grid: the verdict in a word when the reward gives one
+    (a ``correct`` detail: "ok", else "no: " and the first failed part of `VERDICT_PARTS`,
+    e.g. "no: colour"), else the score with two decimals."""
+    scores = np.asarray(scores, dtype=np.float64).reshape(-1)
+    details = details or {}
+    if "correct" not in details:
+        return [f"{s:.2f}" for s in scores]
+    correct = np.asarray(details["correct"], dtype=np.float64).reshape(-1)
+    parts = {k: np.asarray(details[k], dtype=np.float64).reshape(-1)
+             for k in VERDICT_PARTS if k in details}  # fmt: skip
+    labels = []
+    for i, ok in enumerate(correct):
+        if ok == 1.0:
+            labels.append("ok")
+            continue
+        failed = next((k for k, v in parts.items() if v[i] == 0.0), None)
+        labels.append(f"no: {failed}" if failed else "no")
+    return labels
+
+
 def image_grid(
     images: np.ndarray,
     cols: int,

@@ -36,7 +36,13 @@ from ..algorithms import algorithm
 from ..data import PromptData
 from ..errors import NonFiniteError, TrainError
 from ..latent_scorer import ensure_latent_scorer
-from ..plots import save_frame_strip, save_prompt_grid, save_sample_grid, save_waveform_plot
+from ..plots import (
+    save_frame_strip,
+    save_prompt_grid,
+    save_sample_grid,
+    save_waveform_plot,
+    score_labels,
+)
 from ..ports import Ports
 from ..recipe import Recipe
 from ..seeds import DOMAIN_VAL, derive_seed, sample_seed
@@ -363,7 +369,7 @@ class DiffusionLoop:
             samples / f"val_step_{step:04d}.png",
             prompts,
             r.trainer.val_samples_per_prompt,
-            labels=[f"{s:.2f}" for s in scores],
+            labels=score_labels(scores, out.details),
         )
         metrics = {"val/reward_mean": float(scores.mean()), "val/reward_std": float(scores.std())}
         for k, v in (out.details or {}).items():
@@ -487,7 +493,7 @@ class DiffusionLoop:
                 self.run_dir / "samples" / f"step_{step + 1:04d}.png",
                 [t.prompt for t in trajs[:: r.rollout.n]],
                 r.rollout.n,
-                labels=[f"{s:.2f}" for s in rewards],
+                labels=score_labels(rewards, details),
             )
             if self.run.logger.tb is not None or self.run.logger.wandb is not None:
                 from PIL import Image
