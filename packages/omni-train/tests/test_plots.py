@@ -59,7 +59,10 @@ def test_a_verdict_reward_labels_samples_with_words() -> None:
     from omni_rewards.shapes import ShapesReward, render
 
     images = np.stack(
-        [np.asarray(render(c, seed=3)) for c in ("a red circle", "a blue circle", "two red circles")]
+        [
+            np.asarray(render(c, seed=3))
+            for c in ("a red circle", "a blue circle", "two red circles")
+        ]
     )
     prompts = ["a red circle"] * 3
     out = ShapesReward()(RewardInput(images=images, prompts=prompts))
