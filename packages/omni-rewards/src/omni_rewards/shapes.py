@@ -67,6 +67,7 @@ __all__ = [
     "RELATIONS",
     "SHAPES",
     "TASKS",
+    "VERDICT_PARTS",
     "Caption",
     "CaptionError",
     "DetectedObject",
@@ -107,6 +108,9 @@ TASKS: tuple[str, ...] = (
     "position",
     "color_attr",
 )
+#: the 0/1 parts of a verdict (`check_image`), each needing the ones before it: the first
+#: that fails says what went wrong
+VERDICT_PARTS: tuple[str, ...] = ("count", "object", "colour", "position")
 
 #: colour-shape pairs no train caption names (each colour and shape at most once)
 HELD_OUT_PAIRS: frozenset[tuple[str, str]] = frozenset(
@@ -660,10 +664,10 @@ class ShapesReward(Reward):
             rows.append((check_image(cap, objects), len(objects)))
         details = {
             k: np.array([r[k] for r, _ in rows], dtype=np.float32)
-            for k in ("correct", "count", "object", "colour", "position")
+            for k in ("correct", *VERDICT_PARTS)
         }
         if self.partial_credit:
-            parts = np.stack([details[k] for k in ("count", "object", "colour", "position")])
+            parts = np.stack([details[k] for k in VERDICT_PARTS])
             scores = np.nanmean(parts, axis=0).astype(np.float32)
         else:
             scores = details["correct"].copy()

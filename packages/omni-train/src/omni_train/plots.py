@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from omni_rewards.shapes import VERDICT_PARTS
+
 # PIL's default bitmap font: ~6 pixels per character, 11 per line (+1 spacing)
 CHAR, LINE = 6, 12
 WHITE = (255, 255, 255)
@@ -59,15 +61,11 @@ def plot_reward_curve(
     return out
 
 
-# a GenEval-style reward's 0/1 parts, in the order each needs the one before it (see
-# omni_rewards.shapes.check_image); the first that fails names what went wrong
-VERDICT_PARTS = ("count", "object", "colour", "position")
-
-
 def score_labels(scores: np.ndarray, details: dict[str, Any] | None = None) -> list[str]:
     """A caption for each sample of a grid: the verdict in a word when the reward gives one
-    (a ``correct`` detail: "ok", else "no: " and the first failed part of `VERDICT_PARTS`,
-    e.g. "no: colour"), else the score with two decimals."""
+    (a ``correct`` detail, as the `shapes` reward gives: "ok", else "no: " and the first failed
+    part of `omni_rewards.shapes.VERDICT_PARTS`, e.g. "no: colour"), else the score with two
+    decimals."""
     scores = np.asarray(scores, dtype=np.float64).reshape(-1)
     details = details or {}
     if "correct" not in details:
