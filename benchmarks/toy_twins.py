@@ -5,11 +5,12 @@ one per text-to-image algorithm), on the shapes world's toy SD3 and the quicksta
 
 1. train it with the command a user types (`omni-train RECIPE trainer.seed=S ...`), no
    validation on the way (it only costs time here), timing the run;
-2. score its last LoRA on the held-out colour pairs with `omni-train eval ... --n N --seed 7`
-   (deterministic ODE samples; N per prompt, 4 prompts);
-3. print the held-out accuracy against the base model's (the same eval without a LoRA), the
-   gain, the standard error of the gain, sqrt(se_base^2 + se_after^2), and whether the gain
-   exceeds twice that error.
+2. score its last LoRA on each prompt file of `--prompts` (default: the held-out colour pairs)
+   with `omni-train eval ... --n N --seed 7` (deterministic ODE samples, N per prompt);
+3. print, per prompt file, a table like GenEval's (Ghosh et al. 2023): the base model (the
+   same eval without a LoRA) and each run, their accuracy, the gain, the standard error of the
+   gain, sqrt(se_base^2 + se_after^2), whether the gain exceeds twice that error, and the
+   accuracy per task type of the file's captions.
 
 Every command runs in its own process, one after another (two torch processes on two cores
 slow each other down several times). Each training run takes 3.5-7 minutes on 2 CPU cores;
@@ -18,6 +19,8 @@ all seven about 45.
     python benchmarks/toy_twins.py --seed 1
     python benchmarks/toy_twins.py --seed 1 --recipes recipes/toy/flow_grpo.yaml --n 64
     python benchmarks/toy_twins.py --set trainer.steps=60   # longer runs
+    python benchmarks/toy_twins.py --recipes recipes/quickstart.yaml --n 4 \
+        --prompts recipes/data/shapes/heldout.txt recipes/data/shapes/handwritten.txt
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = REPO / "recipes" / "data" / "shapes" / "colors_heldout.txt"
+#: GenEval's task columns, in its table's order (`omni_rewards.shapes.TASKS` names them)
+TASK_COLUMNS = {
+    "single_object": "single object",
+    "two_object": "two object",
+    "counting": "counting",
+    "colors": "colors",
+    "position": "position",
+    "color_attr": "colour attribution",
+}
 
 
 def omni_train(args: list[str], log: Path) -> float:
@@ -48,10 +60,10 @@ def omni_train(args: list[str], log: Path) -> float:
     return time.perf_counter() - start
 
 
-def held_out(target: Path, out: Path, n: int, extra: list[str]) -> dict:
-    """`omni-train eval TARGET` on the held-out colour pairs: its JSON summary."""
+def evaluate(target: Path, prompts: Path, out: Path, n: int, extra: list[str]) -> dict:
+    """`omni-train eval TARGET --prompts PROMPTS`: its JSON summary."""
     omni_train(
-        ["eval", str(target), "--prompts", str(HELD_OUT), "--reward", "shapes",
+        ["eval", str(target), "--prompts", str(prompts), "--reward", "shapes",
          "--n", str(n), "--seed", "7", "--out", str(out), "--no-progress", *extra],
         out.with_suffix(".log"),
     )  # fmt: skip
@@ -60,6 +72,31 @@ def held_out(target: Path, out: Path, n: int, extra: list[str]) -> dict:
 
 def _two(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"  # diversity is None with one sample a prompt
+
+
+def print_table(stem: str, n: int, seed: int, base: dict, rows: list[tuple]) -> None:
+    """One prompt file's table: the base model's row, then each run's."""
+    tasks = [t for t in TASK_COLUMNS if t in base["per_task"]]
+    print(f"\n{stem}: seed {seed}, {n} samples a prompt, base {base['mean']:.3f}")
+    print("| recipe | algorithm | train s | accuracy | gain | gain / se | > 2 se | diversity | "
+          + "".join(f"{TASK_COLUMNS[t]} | " for t in tasks))  # fmt: skip
+    print("| --- " * (8 + len(tasks)) + "|")
+
+    def per_task(summary: dict) -> str:
+        return "".join(f"{summary['per_task'][t]['mean']:.3f} | " for t in tasks)
+
+    print(
+        f"| base model | - | - | {base['mean']:.3f} +- {base['stderr']:.3f} | | | | "
+        f"{_two(base['diversity'])} | {per_task(base)}"
+    )
+    for name, algorithm, s, after in rows:
+        gain = after["mean"] - base["mean"]
+        se = math.hypot(base["stderr"], after["stderr"])
+        print(
+            f"| {name} | {algorithm} | {s:.0f} | {after['mean']:.3f} +- {after['stderr']:.3f} | "
+            f"{gain:+.3f} | {gain / se:+.1f} | {'yes' if gain > 2 * se else 'no'} | "
+            f"{_two(after['diversity'])} | {per_task(after)}"
+        )
 
 
 def main() -> None:
@@ -71,16 +108,23 @@ def main() -> None:
         default=[REPO / "recipes" / "quickstart.yaml", *sorted(REPO.glob("recipes/toy/*.yaml"))],
     )
     p.add_argument("--seed", type=int, default=1, help="trainer.seed of every run")
-    p.add_argument("--n", type=int, default=128, help="eval samples per held-out prompt")
+    p.add_argument("--n", type=int, default=128, help="eval samples per prompt")
     p.add_argument("--out", type=Path, default=Path("runs/toy_twins"))
     p.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every run"
     )
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        type=Path,
+        default=[HELD_OUT],
+        help="prompt files to score each run on (a table each)",
+    )
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    rows = []
-    base = None
+    rows: dict[str, list[tuple]] = {prompts.stem: [] for prompts in args.prompts}
+    bases: dict[str, dict] = {}
     for recipe in args.recipes:
         name = recipe.stem
         run = (args.out / f"{name}_seed{args.seed}").resolve()
@@ -89,35 +133,32 @@ def main() -> None:
              "trainer.val_every=0", "trainer.progress=false", *args.set],
             args.out / f"{name}_seed{args.seed}.log",
         )  # fmt: skip
-        if base is None:  # the base model at the same sampler settings as the runs' eval
-            base = held_out(
-                REPO / "recipes" / "models" / "shapes_sd3",
-                args.out / "base",
-                args.n,
-                ["--recipe", str(run / "recipe.yaml")],
-            )
-            print(f"base model: held out {base['mean']:.3f} +- {base['stderr']:.3f}", flush=True)
-        after = held_out(run, args.out / f"{name}_seed{args.seed}_eval", args.n, [])
-        gain = after["mean"] - base["mean"]
-        se = math.hypot(base["stderr"], after["stderr"])
         algorithm = yaml.safe_load((run / "recipe.yaml").read_text())["algorithm"]["name"]
-        rows.append((name, algorithm, seconds, after["mean"], after["stderr"], gain, se,
-                     after["diversity"]))  # fmt: skip
-        print(
-            f"{name} ({algorithm}): {seconds:.0f} s, held out {after['mean']:.3f}"
-            f" +- {after['stderr']:.3f}, gain {gain:+.3f} ({gain / se:+.1f} se),"
-            f" diversity {_two(after['diversity'])}",
-            flush=True,
-        )
+        for prompts in args.prompts:
+            stem = prompts.stem
+            if stem not in bases:  # the base model at the same sampler settings as the runs'
+                bases[stem] = evaluate(
+                    REPO / "recipes" / "models" / "shapes_sd3",
+                    prompts,
+                    args.out / f"base_{stem}",
+                    args.n,
+                    ["--recipe", str(run / "recipe.yaml")],
+                )
+                print(f"base model on {stem}: {bases[stem]['mean']:.3f}", flush=True)
+            base = bases[stem]
+            after = evaluate(run, prompts, args.out / f"{name}_seed{args.seed}_{stem}", args.n, [])
+            rows[stem].append((name, algorithm, seconds, after))
+            gain = after["mean"] - base["mean"]
+            se = math.hypot(base["stderr"], after["stderr"])
+            print(
+                f"{name} ({algorithm}): {seconds:.0f} s, {stem} {after['mean']:.3f}"
+                f" +- {after['stderr']:.3f}, gain {gain:+.3f} ({gain / se:+.1f} se),"
+                f" diversity {_two(after['diversity'])}",
+                flush=True,
+            )
 
-    print(f"\nseed {args.seed}, {args.n} samples a held-out prompt, base {base['mean']:.3f}")
-    print("| recipe | algorithm | train s | held out | gain | gain / se | > 2 se | diversity |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, algorithm, s, mean, err, gain, se, div in rows:
-        print(
-            f"| {name} | {algorithm} | {s:.0f} | {mean:.3f} +- {err:.3f} | {gain:+.3f} | {gain / se:+.1f} | "
-            f"{'yes' if gain > 2 * se else 'no'} | {_two(div)} |"
-        )
+    for stem, stem_rows in rows.items():
+        print_table(stem, args.n, args.seed, bases[stem], stem_rows)
 
 
 if __name__ == "__main__":

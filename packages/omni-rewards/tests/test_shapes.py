@@ -138,6 +138,23 @@ def test_shipped_split_files_match_write_splits(tmp_path):
         assert (shipped / f"colors_{split}.txt").read_text().splitlines() == colors
 
 
+def test_the_handwritten_prompt_set_is_in_the_grammar_and_not_a_split_file():
+    """recipes/data/shapes/handwritten.txt was written by hand, not by write_splits: every line
+    is a caption of the grammar, every task type is there, both splits are, and its ground-truth
+    renders score 1 (so a model's score on it measures the model, not the file)."""
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[3] / "recipes" / "data" / "shapes"
+    if not shipped.is_dir():
+        pytest.skip("the repository's recipes/ folder is not next to this package")
+    lines = (shipped / "handwritten.txt").read_text().splitlines()
+    assert len(lines) == len(set(lines)) == 44
+    assert set(S.task_types(lines)) == set(S.TASKS)
+    assert {S.split_of(line) for line in lines} == {"train", "heldout"}
+    images = [np.asarray(S.render(line, FRESH + i, 32)) for i, line in enumerate(lines)]
+    out = load_reward("shapes")(images=images, prompts=lines)
+    assert out.scores.tolist() == [1.0] * len(lines)
+
 def test_render_is_deterministic_and_valid():
     a = S.render("three red squares", seed=FRESH, size=32)
     b = S.render("three red squares", seed=FRESH, size=32)
