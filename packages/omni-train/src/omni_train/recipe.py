@@ -648,6 +648,11 @@ class Recipe(_Section):
                 f"rollout.sde_kind: {a.name} is defined for the SDE kinds "
                 f"{', '.join(row.sde_kinds)}, got {self.rollout.sde_kind!r}"
             )
+        if row.window != "mix_grpo" and a.mix_window != MixWindowConfig():
+            out.append(
+                f"algorithm.mix_window: only mix_grpo slides an SDE window; {a.name} would "
+                "ignore it (drop the section, or keep its defaults)"
+            )
         if a.rollout_correction != "off" and not row.takes_weights:
             out.append(f"algorithm.rollout_correction: {a.name}'s loss takes no per-sample weights")
         if row.kind == "forward_process" and a.name == "diffusion_dpo" and not self.lora.enabled:
