@@ -138,7 +138,7 @@ def test_shipped_split_files_match_write_splits(tmp_path):
         assert (shipped / f"colors_{split}.txt").read_text().splitlines() == colors
 
 
-def test_the_handwritten_prompt_set_is_in_the_grammar_and_not_a_split_file():
+def test_the_handwritten_prompt_set_is_in_the_grammar():
     """recipes/data/shapes/handwritten.txt was written by hand, not by write_splits: every line
     is a caption of the grammar, every task type is there, both splits are, and its ground-truth
     renders score 1 (so a model's score on it measures the model, not the file)."""
@@ -154,6 +154,7 @@ def test_the_handwritten_prompt_set_is_in_the_grammar_and_not_a_split_file():
     images = [np.asarray(S.render(line, FRESH + i, 32)) for i, line in enumerate(lines)]
     out = load_reward("shapes")(images=images, prompts=lines)
     assert out.scores.tolist() == [1.0] * len(lines)
+
 
 def test_render_is_deterministic_and_valid():
     a = S.render("three red squares", seed=FRESH, size=32)
