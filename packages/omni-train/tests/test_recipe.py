@@ -174,6 +174,8 @@ def test_algorithm_table_refuses_what_does_not_run(recipe_dict, name) -> None:
         ({"algorithm": {"name": "flowgrpo"}}, "algorithm.name"),
         # only mix_grpo reads the sliding window: set for another algorithm it would be ignored
         ({"algorithm": {"mix_window": {"ode_stride": 1}}}, "algorithm.mix_window"),
+        # the re-noising t is the forward-process losses' (diffusion_nft, diffusion_dpo)
+        ({"algorithm": {"timestep_sampling": "schedule"}}, "algorithm.timestep_sampling"),
     ],
 )
 def test_unsupported_combinations_are_named(recipe_dict, changes, key) -> None:

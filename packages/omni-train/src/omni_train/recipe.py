@@ -335,6 +335,14 @@ class AlgorithmConfig(_Section):
         "uniformly (x_t = (1 - t) x0 + t eps).",
     )
 
+    timestep_sampling: Literal["uniform", "schedule"] = Field(
+        "uniform",
+        description="diffusion_nft / diffusion_dpo: `uniform`: t ~ U[timestep_range]; "
+        "`schedule`: t is one of the rollout schedule's sigmas (rollout.num_steps steps, the "
+        "model's shift included) in timestep_range, each equally likely, as DiffusionNFT's "
+        "official trainer re-noises at the sampler's timesteps.",
+    )
+
     @field_validator("rows_per_forward")
     @classmethod
     def _rows_positive(cls, v: int | str | None) -> int | str | None:
@@ -647,6 +655,11 @@ class Recipe(_Section):
             out.append(
                 f"rollout.sde_kind: {a.name} is defined for the SDE kinds "
                 f"{', '.join(row.sde_kinds)}, got {self.rollout.sde_kind!r}"
+            )
+        if a.timestep_sampling != "uniform" and row.kind != "forward_process":
+            out.append(
+                f"algorithm.timestep_sampling: {a.name} trains on its rollout's own steps; "
+                "the re-noising t is for diffusion_nft and diffusion_dpo"
             )
         if row.window != "mix_grpo" and a.mix_window != MixWindowConfig():
             out.append(

@@ -86,6 +86,9 @@ class UpdateSettings:
     #: after the update, measure the policy's KL to the reference (the LoRA-off model) on a
     #: micro-batch: `policy/kl_to_ref` (when the loss has no KL term of its own to log)
     measure_kl_ref: bool = False
+    #: forward-process losses: "uniform" t as drawn, or "schedule" (`forward_process.training_t`)
+    timestep_sampling: str = "uniform"
+    timestep_range: tuple[float, float] = (0.0, 1.0)
 
     @classmethod
     def from_recipe(
@@ -101,6 +104,8 @@ class UpdateSettings:
             options=dict(a.options),
             allowed_tokens=None if allowed_tokens is None else tuple(allowed_tokens),
             measure_kl_ref=recipe.lora.enabled and a.kl_beta == 0,
+            timestep_sampling=a.timestep_sampling,
+            timestep_range=tuple(a.timestep_range),
         )
 
 

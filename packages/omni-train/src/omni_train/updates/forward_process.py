@@ -20,12 +20,14 @@ batch, made by the loop from (run seed, step)), then compare the policy's veloci
   LoRA disabled.
 
 Each clean sample is noised K = `algorithm.train_timesteps` times; the micro-batch loss is the
-mean over the K draws. Micro-batches, ranks and the metrics follow `omni_train.updates.common`.
+mean over the K draws. With `algorithm.timestep_sampling: schedule` a draw ``u`` picks a step of
+the rollout's own schedule instead (`training_t`). Micro-batches, ranks and the metrics follow `omni_train.updates.common`.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,7 +36,32 @@ from .batches import PairBatch, SampleBatch, noise_to
 from .common import UpdateContext, item_groups, run_optimizer_steps
 from .plan import UpdatePlan
 
-__all__ = ["diffusion_dpo_update", "diffusion_nft_update"]
+__all__ = ["diffusion_dpo_update", "diffusion_nft_update", "training_t"]
+
+
+def training_t(ctx: UpdateContext, draws: Tensor, params: Any) -> Tensor:
+    """The t each clean sample is re-noised at, from the loop's draws ``u ~ U[lo, hi]`` (K, B)
+    (`algorithm.timestep_range`).
+
+    ``uniform``: t = u. ``schedule``: the sigmas of the rollout's own schedule that lie in
+    ``[lo, hi]`` (``adapter.sigmas(params)``, the model's shift included, without its terminal
+    0), ``s_0 > ... > s_{m-1}``, each equally likely: ``t = s_floor(m (u - lo) / (hi - lo))``.
+    Those are the timesteps the sampler denoised at, where DiffusionNFT's official trainer
+    re-noises (its sampling run's ``timesteps / 1000``); ``uniform`` weighs the last, nearly
+    clean steps as much as the first ones, which a shifted schedule visits once.
+    """
+    if ctx.settings.timestep_sampling == "uniform":
+        return draws
+    lo, hi = ctx.settings.timestep_range
+    sigmas = ctx.adapter.sigmas(params)[:-1].to(draws)
+    sigmas = sigmas[(sigmas >= lo) & (sigmas <= hi)]
+    if len(sigmas) == 0:
+        raise ValueError(
+            f"algorithm.timestep_range: no step of the rollout's schedule lies in [{lo}, {hi}] "
+            "(algorithm.timestep_sampling: schedule)"
+        )
+    steps = ((draws - lo) / (hi - lo) * len(sigmas)).long().clamp(0, len(sigmas) - 1)
+    return sigmas[steps]
 
 
 def _velocities(
@@ -74,12 +101,13 @@ def diffusion_nft_update(
 
     s, col, adapter = ctx.settings, ctx.collective, ctx.adapter
     loss_fn = LOSSES[ctx.algorithm.loss]
-    K = batch.t.shape[0]
-    x_t = torch.stack([noise_to(batch.x0, batch.t[k], batch.eps[k]) for k in range(K)])
+    t = training_t(ctx, batch.t, batch.params)
+    K = t.shape[0]
+    x_t = torch.stack([noise_to(batch.x0, t[k], batch.eps[k]) for k in range(K)])
     kl_weight = float(s.options.get("kl_weight", 0.0))
 
     def draws(idx: Tensor, ks: list[int]) -> tuple[list[Tensor], list[Tensor]]:
-        return [x_t[k][idx] for k in ks], [batch.t[k][idx] for k in ks]
+        return [x_t[k][idx] for k in ks], [t[k][idx] for k in ks]
 
     # the frozen velocities: the rollout policy's (and the reference's), before any step
     old_v = torch.empty_like(x_t)
@@ -107,7 +135,7 @@ def diffusion_nft_update(
                 old_v[k][idx],
                 x_t[k][idx],
                 batch.x0[idx],
-                batch.t[k][idx],
+                t[k][idx],
                 batch.advantages[idx],
                 ref_velocity=None if ref_v is None else ref_v[k][idx],
                 adv_clip_max=s.adv_clip_max,
@@ -119,7 +147,7 @@ def diffusion_nft_update(
         return loss, metrics
 
     out = run_optimizer_steps(ctx, plan, items=K, micro_loss=micro_loss).means()
-    n, t_sum = col.all_sum([float(len(plan.rows)), float(batch.t.sum())])
+    n, t_sum = col.all_sum([float(len(plan.rows)), float(t.sum())])
     out["actor/t_mean"] = t_sum / (K * n) if n else 0.0
     return out
 
@@ -132,9 +160,10 @@ def diffusion_dpo_update(
 
     s, adapter = ctx.settings, ctx.adapter
     loss_fn = LOSSES[ctx.algorithm.loss]
-    K = batch.t.shape[0]
-    xw = torch.stack([noise_to(batch.x0_w, batch.t[k], batch.eps[k]) for k in range(K)])
-    xl = torch.stack([noise_to(batch.x0_l, batch.t[k], batch.eps[k]) for k in range(K)])
+    t = training_t(ctx, batch.t, batch.params)
+    K = t.shape[0]
+    xw = torch.stack([noise_to(batch.x0_w, t[k], batch.eps[k]) for k in range(K)])
+    xl = torch.stack([noise_to(batch.x0_l, t[k], batch.eps[k]) for k in range(K)])
 
     def both(idx: Tensor, ks: list[int], *, grad: bool, reference: bool = False) -> list[Tensor]:
         """Winner and loser velocities of draws ``ks`` in one forward: rows [w..., l...]."""
@@ -143,7 +172,7 @@ def diffusion_dpo_update(
             for key in batch.condition_w
         }
         xs = [torch.cat([xw[k][idx], xl[k][idx]]) for k in ks]
-        ts = [torch.cat([batch.t[k][idx], batch.t[k][idx]]) for k in ks]
+        ts = [torch.cat([t[k][idx], t[k][idx]]) for k in ks]
         return _velocities(adapter, xs, ts, cond, batch.params, grad=grad, reference=reference)
 
     ref_w, ref_l = torch.empty_like(xw), torch.empty_like(xl)
