@@ -32,6 +32,9 @@ def test_every_text_to_image_algorithm_has_a_toy_twin() -> None:
     pairs, validated on the held-out ones."""
     assert {p.stem: load_recipe(p).algorithm.name for p in TOY_TWINS} == TWIN_ALGORITHMS
     assert load_recipe(RECIPES / "quickstart.yaml").algorithm.name == "mix_grpo"
+    # DiffusionNFT learns here only re-noising at the schedule's steps (docs/toy_world.md)
+    nft = load_recipe(RECIPES / "toy" / "diffusion_nft.yaml").algorithm
+    assert nft.timestep_sampling == "schedule"
     for path in TOY_TWINS:
         r = load_recipe(path)
         assert r.experiment == f"toy_{path.stem}", path.name
