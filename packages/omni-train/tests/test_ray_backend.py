@@ -85,7 +85,13 @@ ALGO_SECTIONS = {
     "mix_grpo": {"algorithm": {"kl_beta": 0.1, "mix_window": {"ode_stride": 2}}},
     "flow_dppo": {"algorithm": {"kl_beta": 0.1}},
     "grpo_guard": {"algorithm": {"kl_beta": 0.1}},
-    "diffusion_nft": {"algorithm": {"options": {"kl_weight": 0.1}, "train_timesteps": 2}},
+    "diffusion_nft": {
+        "algorithm": {
+            "options": {"kl_weight": 0.1},
+            "train_timesteps": 2,
+            "timestep_sampling": "schedule",
+        }
+    },
     "diffusion_dpo": {"algorithm": {"train_timesteps": 2}},
     "gspo": {"algorithm": {"kl_beta": 0.1}},
     "grpo": {"algorithm": {"kl_beta": 0.1}},
@@ -152,6 +158,9 @@ def test_update_parity_local_vs_two_fsdp_ranks(name, sd3_pool):
     assert moved > 1e-4, "the update did not move the weights"
     for k in lw:
         torch.testing.assert_close(rw[k], lw[k], atol=1e-5, rtol=0, msg=k)
+    if name == "diffusion_nft":  # both re-noised at the schedule's sigmas, not the raw draws
+        assert got["actor/t_mean"] == pytest.approx(want["actor/t_mean"], abs=1e-6)
+        assert abs(want["actor/t_mean"] - float(batch.t.mean())) > 1e-3
     if name in ("flow_grpo", "flow_dppo", "grpo_guard", "dance_grpo", "mix_grpo"):
         assert want["actor/kl_ref"] >= 0.0 and got["actor/kl_ref"] == pytest.approx(
             want["actor/kl_ref"], abs=1e-6
