@@ -74,6 +74,11 @@ def _two(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"  # diversity is None with one sample a prompt
 
 
+def gain_and_se(base: dict, after: dict) -> tuple[float, float]:
+    """The gain over the base and its standard error, sqrt(se_base^2 + se_after^2)."""
+    return after["mean"] - base["mean"], math.hypot(base["stderr"], after["stderr"])
+
+
 def print_table(stem: str, n: int, seed: int, base: dict, rows: list[tuple]) -> None:
     """One prompt file's table: the base model's row, then each run's."""
     tasks = [t for t in TASK_COLUMNS if t in base["per_task"]]
@@ -90,8 +95,7 @@ def print_table(stem: str, n: int, seed: int, base: dict, rows: list[tuple]) -> 
         f"{_two(base['diversity'])} | {per_task(base)}"
     )
     for name, algorithm, s, after in rows:
-        gain = after["mean"] - base["mean"]
-        se = math.hypot(base["stderr"], after["stderr"])
+        gain, se = gain_and_se(base, after)
         print(
             f"| {name} | {algorithm} | {s:.0f} | {after['mean']:.3f} +- {after['stderr']:.3f} | "
             f"{gain:+.3f} | {gain / se:+.1f} | {'yes' if gain > 2 * se else 'no'} | "
@@ -148,8 +152,7 @@ def main() -> None:
             base = bases[stem]
             after = evaluate(run, prompts, args.out / f"{name}_seed{args.seed}_{stem}", args.n, [])
             rows[stem].append((name, algorithm, seconds, after))
-            gain = after["mean"] - base["mean"]
-            se = math.hypot(base["stderr"], after["stderr"])
+            gain, se = gain_and_se(base, after)
             print(
                 f"{name} ({algorithm}): {seconds:.0f} s, {stem} {after['mean']:.3f}"
                 f" +- {after['stderr']:.3f}, gain {gain:+.3f} ({gain / se:+.1f} se),"

@@ -21,7 +21,8 @@ batch, made by the loop from (run seed, step)), then compare the policy's veloci
 
 Each clean sample is noised K = `algorithm.train_timesteps` times; the micro-batch loss is the
 mean over the K draws. With `algorithm.timestep_sampling: schedule` a draw ``u`` picks a step of
-the rollout's own schedule instead (`training_t`). Micro-batches, ranks and the metrics follow `omni_train.updates.common`.
+the rollout's own schedule instead (`training_t`). Micro-batches, ranks and the metrics follow
+`omni_train.updates.common`.
 """
 
 from __future__ import annotations
