@@ -192,6 +192,22 @@ def test_diffusion_dpo_reference_and_pairing():
         pair_by_reward([0.0, float("nan")], [0, 0])
 
 
+def test_pair_by_reward_several_pairs_per_group():
+    # group a: rewards 0.1 0.9 0.5 0.7 -> best 1, 3, 2, 0; worst 0, 2, 3, 1
+    # group b: binary with ties -> 1s at rows 5, 7; 0s at rows 4, 6, 8 (earlier row first)
+    rewards = [0.1, 0.9, 0.5, 0.7, 0.0, 1.0, 0.0, 1.0, 0.0]
+    groups = ["a"] * 4 + ["b"] * 5
+    w, lo = pair_by_reward(rewards, groups, per_group=8)  # capped at half of each group
+    assert list(zip(w.tolist(), lo.tolist())) == [(1, 0), (3, 2), (5, 4), (7, 6)]
+    w, lo = pair_by_reward(rewards, groups, per_group=1)  # the best vs the worst
+    assert list(zip(w.tolist(), lo.tolist())) == [(1, 0), (5, 4)]
+    # a pair needs a strict gap: one 1 among 0s gives one pair however many are asked for
+    w, lo = pair_by_reward([0.0, 1.0, 0.0, 0.0], [0, 0, 0, 0], per_group=2)
+    assert list(zip(w.tolist(), lo.tolist())) == [(1, 0)]
+    with pytest.raises(ValueError, match="per_group"):
+        pair_by_reward(rewards, groups, per_group=0)
+
+
 def test_kl_penalty_and_dpo_gradcheck():
     g = _g(9)
     m = torch.randn(2, 3, generator=g, dtype=torch.float64).requires_grad_(True)

@@ -50,12 +50,16 @@ def test_shortened_tiny_recipe_learns(tmp_path: Path, tiny_sd3: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("loss", "options"),
-    [("diffusion_nft", []), ("diffusion_dpo", ["algorithm.options={beta: 50.0}"])],
+    [
+        ("diffusion_nft", []),
+        ("diffusion_dpo", ["algorithm.options={beta: 50.0}", "algorithm.pairs_per_group=4"]),
+    ],
 )
 def test_forward_process_losses_learn(
     tmp_path: Path, tiny_sd3: Path, loss: str, options: list[str]
 ) -> None:
-    """DiffusionNFT and online DPO on the tiny recipe (ODE rollout): the reward rises."""
+    """DiffusionNFT and online DPO on the tiny recipe (ODE rollout): the reward rises. DPO
+    takes four pairs from each group of 8 (a continuous reward: all four kept)."""
     recipe = load_recipe(
         TINY_RECIPE,
         [
@@ -79,6 +83,8 @@ def test_forward_process_losses_learn(
     assert last - first > 5 * noise
     key = "actor/p_mean" if loss == "diffusion_nft" else "actor/pairs"
     assert all(key in row for row in rows)
+    if loss == "diffusion_dpo":  # 4 prompts a step, 4 pairs each
+        assert all(row["actor/pairs"] == 16 for row in rows), [r["actor/pairs"] for r in rows]
 
 
 @pytest.mark.slow

@@ -176,6 +176,11 @@ def test_algorithm_table_refuses_what_does_not_run(recipe_dict, name) -> None:
         ({"algorithm": {"mix_window": {"ode_stride": 1}}}, "algorithm.mix_window"),
         # the re-noising t is the forward-process losses' (diffusion_nft, diffusion_dpo)
         ({"algorithm": {"timestep_sampling": "schedule"}}, "algorithm.timestep_sampling"),
+        # preference pairs are online DPO's; NFT trains on every sample
+        (
+            {"algorithm": {"name": "diffusion_nft", "pairs_per_group": 4}},
+            "algorithm.pairs_per_group",
+        ),
     ],
 )
 def test_unsupported_combinations_are_named(recipe_dict, changes, key) -> None:

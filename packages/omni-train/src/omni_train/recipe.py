@@ -343,6 +343,14 @@ class AlgorithmConfig(_Section):
         "official trainer re-noises at the sampler's timesteps.",
     )
 
+    pairs_per_group: int = Field(
+        1,
+        ge=1,
+        description="diffusion_dpo: preference pairs per prompt group, the i-th best sample "
+        "against the i-th worst (`omni_algos.losses.pair_by_reward`; at most half the group; "
+        "1 = best vs worst).",
+    )
+
     @field_validator("rows_per_forward")
     @classmethod
     def _rows_positive(cls, v: int | str | None) -> int | str | None:
@@ -660,6 +668,11 @@ class Recipe(_Section):
             out.append(
                 f"algorithm.timestep_sampling: {a.name} trains on its rollout's own steps; "
                 "the re-noising t is for diffusion_nft and diffusion_dpo"
+            )
+        if a.pairs_per_group != 1 and not row.pairs:
+            out.append(
+                f"algorithm.pairs_per_group: {a.name} trains on every sample, not on "
+                "preference pairs (diffusion_dpo)"
             )
         if row.window != "mix_grpo" and a.mix_window != MixWindowConfig():
             out.append(

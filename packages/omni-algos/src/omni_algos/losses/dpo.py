@@ -76,12 +76,19 @@ def diffusion_dpo(
 
 
 def pair_by_reward(
-    rewards: Tensor | Sequence[float], group_ids: Tensor | Sequence[Any]
+    rewards: Tensor | Sequence[float],
+    group_ids: Tensor | Sequence[Any],
+    per_group: int = 1,
 ) -> tuple[Tensor, Tensor]:
-    """Online DPO pairs: per group, the winner is the argmax reward row and the loser the
-    argmin row (first occurrence on ties). Groups with fewer than two rows or all-equal
-    rewards give no pair. Returns ``(winner_idx, loser_idx)``, long tensors of shape (P,),
-    in order of each group's first appearance. NaN/inf rewards raise ``ValueError``."""
+    """Online DPO pairs. Per group the rows are ranked by reward (highest first, ties in row
+    order); the i-th best row is the winner and the i-th worst the loser of pair i, for
+    i < ``per_group`` and i < half the group, kept when the winner's reward is strictly higher.
+    ``per_group=1`` is the best vs the worst row (the argmax / argmin, first occurrence on
+    ties). Groups with fewer than two rows or all-equal rewards give no pair. Returns
+    ``(winner_idx, loser_idx)``, long tensors of shape (P,), pairs grouped in order of each
+    group's first appearance. NaN/inf rewards raise ``ValueError``."""
+    if per_group < 1:
+        raise ValueError(f"per_group must be >= 1, got {per_group}")
     r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
     bad = ~torch.isfinite(r)
     if bool(bad.any()):
@@ -96,12 +103,13 @@ def pair_by_reward(
         groups.setdefault(g, []).append(i)
     win, lose = [], []
     for idx in groups.values():
-        if len(idx) < 2:
-            continue
-        sub = r[idx]
-        hi, lo = int(torch.argmax(sub)), int(torch.argmin(sub))
-        if sub[hi] == sub[lo]:
-            continue
-        win.append(idx[hi])
-        lose.append(idx[lo])
+        values = [float(r[i]) for i in idx]
+        # stable sorts: among equal rewards the earlier row is both the "best" and the "worst"
+        best = sorted(range(len(idx)), key=lambda j: -values[j])
+        worst = sorted(range(len(idx)), key=lambda j: values[j])
+        for i in range(min(per_group, len(idx) // 2)):
+            hi, lo = best[i], worst[i]
+            if values[hi] > values[lo]:
+                win.append(idx[hi])
+                lose.append(idx[lo])
     return torch.tensor(win, dtype=torch.long), torch.tensor(lose, dtype=torch.long)

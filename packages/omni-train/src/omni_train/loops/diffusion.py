@@ -278,8 +278,8 @@ class DiffusionLoop:
         # requests go prompt by prompt, n samples each: sample i belongs to group i // n
         group_ids = torch.arange(len(trajs)) // self.recipe.rollout.n
         rw = torch.as_tensor(rewards, dtype=torch.float32)
-        if self.algorithm.pairs:  # online DPO: best vs worst of each prompt group
-            win, lose = pair_by_reward(rewards, group_ids)
+        if self.algorithm.pairs:  # online DPO: the best vs the worst samples of each group
+            win, lose = pair_by_reward(rewards, group_ids, a.pairs_per_group)
             if len(win) == 0:
                 return None, {"actor/pairs": 0.0}
             shape = (len(win), *trajs[0].final_latent.shape)

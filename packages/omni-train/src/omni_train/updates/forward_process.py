@@ -15,9 +15,9 @@ batch, made by the loop from (run seed, step)), then compare the policy's veloci
   (`omni_algos.losses.diffusion_nft`); with ``algorithm.options.kl_weight > 0`` also against
   the reference (LoRA disabled).
 - ``diffusion_dpo`` (Wallace et al. 2023, arXiv 2311.12908), online: per prompt group the
-  best- and worst-rewarded samples form a pair (`omni_algos.losses.pair_by_reward`, in the
-  loop); winner and loser share ``t`` and ``eps``; the reference is the base model with the
-  LoRA disabled.
+  best- and worst-rewarded samples form a pair, or the `algorithm.pairs_per_group` best
+  against as many worst (`omni_algos.losses.pair_by_reward`, in the loop); winner and loser
+  share ``t`` and ``eps``; the reference is the base model with the LoRA disabled.
 
 Each clean sample is noised K = `algorithm.train_timesteps` times; the micro-batch loss is the
 mean over the K draws. With `algorithm.timestep_sampling: schedule` a draw ``u`` picks a step of
