@@ -35,6 +35,8 @@ def test_every_text_to_image_algorithm_has_a_toy_twin() -> None:
     # DiffusionNFT learns here only re-noising at the schedule's steps (docs/toy_world.md)
     nft = load_recipe(RECIPES / "toy" / "diffusion_nft.yaml").algorithm
     assert nft.timestep_sampling == "schedule"
+    # online DPO learns here only with several pairs a prompt group (docs/toy_world.md)
+    assert load_recipe(RECIPES / "toy" / "diffusion_dpo.yaml").algorithm.pairs_per_group == 8
     for path in TOY_TWINS:
         r = load_recipe(path)
         assert r.experiment == f"toy_{path.stem}", path.name
