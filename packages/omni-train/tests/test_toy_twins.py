@@ -69,7 +69,7 @@ def test_toy_twin_runs_and_evaluates(path: Path, tmp_path: Path, capsys) -> None
     ]
     if load_recipe(path).reward.distill is not None:  # fit a small scorer for this run
         argv += [f"reward.options.path={tmp_path / 'scorer'}", "reward.distill.samples=16"]
-        argv += ["reward.distill.steps=5"]
+        argv += ["reward.distill.steps=5", "reward.distill.batch_size=8"]
     assert main(argv) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]

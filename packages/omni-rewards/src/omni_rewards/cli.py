@@ -259,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="output directory for the scorer")
     d.add_argument("--steps", type=int, default=300)
     d.add_argument("--lr", type=float, default=3e-3)
+    d.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="pairs a step (a random minibatch); default all",
+    )
     d.add_argument("--hidden", type=int, default=64)
     d.add_argument("--holdout", type=float, default=0.2)
     d.add_argument("--seed", type=int, default=0)

@@ -264,12 +264,17 @@ def distill_latent(
     prompt_dim: int = 64,
     steps: int = 300,
     lr: float = 3e-3,
+    batch_size: int | None = None,
     rank_weight: float = 1.0,
     holdout: float = 0.2,
     seed: int = 0,
     teacher_name: str = "",
 ) -> tuple[Any, LatentScorerConfig, dict[str, Any]]:
     """Fit a latent scorer to ``teacher`` on (latent, decoded image) pairs.
+
+    Each of the ``steps`` Adam steps fits all training pairs, or with ``batch_size`` a random
+    minibatch of that many (the ranking loss within it): the cost of a step then no longer
+    grows with the number of pairs.
 
     Returns ``(model, config, report)``; ``report`` has ``spearman`` and
     ``pairwise_accuracy`` against the teacher on the held-out pairs, ``train_spearman``,
@@ -280,6 +285,8 @@ def distill_latent(
     n = z.shape[0]
     if n < 10:
         raise ValueError(f"latents: need at least 10 pairs to distil, got {n}")
+    if batch_size is not None and batch_size < 2:
+        raise ValueError(f"batch_size: need at least 2 pairs a step, got {batch_size}")
     t0 = time.perf_counter()
     inp = RewardInput(images=images, prompts=prompts)
     targets = teacher(inp).scores.astype(np.float64)
@@ -313,11 +320,15 @@ def distill_latent(
     et = None if e is None else torch.from_numpy(e)
     yt = torch.from_numpy(((targets - mean) / std).astype(np.float32))
     tr = torch.from_numpy(train)
+    draws = torch.Generator().manual_seed(seed)
     t1 = time.perf_counter()
     model.train()
     for _ in range(int(steps)):
-        pred = model(zt[tr], None if et is None else et[tr])
-        y = yt[tr]
+        rows = tr
+        if batch_size is not None and batch_size < len(tr):
+            rows = tr[torch.randperm(len(tr), generator=draws)[:batch_size]]
+        pred = model(zt[rows], None if et is None else et[rows])
+        y = yt[rows]
         loss = torch.nn.functional.mse_loss(pred, y)
         if rank_weight:
             dp = pred[:, None] - pred[None, :]
@@ -397,6 +408,7 @@ def distill_main(args: Any) -> int:
         prompt_embeds=data.get("prompt_embeds"),
         hidden=args.hidden,
         steps=args.steps,
+        batch_size=args.batch_size,
         lr=args.lr,
         holdout=args.holdout,
         seed=args.seed,

@@ -66,6 +66,7 @@ def ensure_latent_scorer(recipe: Recipe, engine: Any, params: Any, prompts: list
         images,
         prompts=[r.prompt for r in reqs],
         steps=d.steps,
+        batch_size=d.batch_size,
         seed=recipe.trainer.seed,
         teacher_name=d.teacher,
     )

@@ -214,6 +214,11 @@ class LatentDistillConfig(_Section):
     )
     samples: int = Field(256, ge=10, description="Rollouts (latent, decoded image) to fit on.")
     steps: int = Field(300, ge=1, description="Scorer optimisation steps.")
+    batch_size: int | None = Field(
+        None,
+        ge=2,
+        description="Pairs each scorer step fits (a random minibatch); null = all of them.",
+    )
 
 
 class RewardConfig(_Section):
