@@ -120,6 +120,11 @@ def test_distill_cli(tmp_path, capsys):
     )
     assert rc == 0
     report = json.loads((out_dir / "report.json").read_text())
-    assert "spearman=" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "spearman=" in out.out
+    assert "latent scorer" in out.err and "80/80" in out.err  # the progress bar, to its end
     assert report["spearman"] > 0.5 and report["pairs"] == 120
     assert (out_dir / "model.safetensors").is_file()
+    args = ["distill-latent", "--synthetic", "20", "--steps", "3", "--out", str(tmp_path / "b")]
+    assert main([*args, "--no-progress"]) == 0
+    assert "latent scorer" not in capsys.readouterr().err

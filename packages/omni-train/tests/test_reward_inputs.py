@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from omni_train_testutils import local_loop
 
 from omni_train import train
 from omni_train.errors import TrainError
+from omni_train.latent_scorer import rollout_in_chunks
 from omni_train.recipe import RecipeError, recipe_from_dict
 
 
@@ -38,10 +41,44 @@ def test_latent_reward_trains_without_decoding(train_dict, tmp_path: Path) -> No
     trajs0 = loop.ports.rollout.generate_many(loop.requests_for(0))
     _, _, media0 = loop.score(trajs0, 0)  # step 1 is a sample step: decoded for the grid only
     assert media0 is not None and media0.shape == (8, 32, 32, 3)
+    # the distill rollouts run in chunks for their progress bar: whole waves (4 rows here)
+    # run as one call would run them, so the chunked rollout is the same to the bit
+    reqs = loop.requests_for(0)
+    assert len(reqs) == 8 and loop.recipe.rollout.max_num_seqs == 16
+    loop.ports.rollout.max_num_seqs = 4
+    whole = loop.ports.rollout.generate_many(reqs)
+    chunked = rollout_in_chunks(loop.ports.rollout, reqs, 4, progress=True, desc="distill")
+    assert [t.request_id for t in chunked] == [q.request_id for q in reqs]
+    assert all(torch.equal(a.final_latent, b.final_latent) for a, b in zip(whole, chunked))
     loop.ports.close()
-    # the scorer is not refitted when it exists
+    # the scorer is not refitted when it exists and was fitted for these settings, whatever
+    # the trainer's seed (the scorer is the run's reward model: reward.distill.seed)
+    assert report["fitted_for"]["reward.distill"]["seed"] == 0
+    assert report["fitted_for"]["model.path"] == str(Path(d["model"]["path"]).resolve())
     mtime = (scorer / "model.safetensors").stat().st_mtime_ns
+    d["trainer"]["seed"] = 3
     local_loop(recipe_from_dict(d), tmp_path / "run2").ports.close()
+    assert (scorer / "model.safetensors").stat().st_mtime_ns == mtime
+    # other settings: a clear error naming what differs; the folder is left as it was
+    for key, value, said in [
+        ("samples", 32, "reward.distill.samples: this run 32, the scorer 24"),
+        ("seed", 1, "reward.distill.seed: this run 1, the scorer 0"),
+    ]:
+        other = copy.deepcopy(d)
+        other["reward"]["distill"][key] = value
+        with pytest.raises(TrainError, match=r"reward\.options\.path: .*" + re.escape(said)):
+            local_loop(recipe_from_dict(other), tmp_path / "run3")
+    other = copy.deepcopy(d)
+    other["data"]["prompts"] = ["a blue square"]
+    with pytest.raises(TrainError, match=r"fitted for other settings \(prompts_sha256: "):
+        local_loop(recipe_from_dict(other), tmp_path / "run3")
+    assert (scorer / "model.safetensors").stat().st_mtime_ns == mtime
+    # a scorer folder that records no fitting settings (made elsewhere, or by an older
+    # version) is reused as it is
+    del report["fitted_for"]
+    (scorer / "report.json").write_text(json.dumps(report))
+    other["reward"]["distill"]["samples"] = 32
+    local_loop(recipe_from_dict(other), tmp_path / "run4").ports.close()
     assert (scorer / "model.safetensors").stat().st_mtime_ns == mtime
 
 

@@ -268,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--hidden", type=int, default=64)
     d.add_argument("--holdout", type=float, default=0.2)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-progress", action="store_true", help="no progress bar over the steps")
     d.set_defaults(func=_cmd_distill)
     return p
 

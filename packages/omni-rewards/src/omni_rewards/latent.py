@@ -269,6 +269,7 @@ def distill_latent(
     holdout: float = 0.2,
     seed: int = 0,
     teacher_name: str = "",
+    progress: bool = False,
 ) -> tuple[Any, LatentScorerConfig, dict[str, Any]]:
     """Fit a latent scorer to ``teacher`` on (latent, decoded image) pairs.
 
@@ -278,7 +279,7 @@ def distill_latent(
 
     Returns ``(model, config, report)``; ``report`` has ``spearman`` and
     ``pairwise_accuracy`` against the teacher on the held-out pairs, ``train_spearman``,
-    the counts and the timings.
+    the counts and the timings. ``progress``: a tqdm bar over the steps (the loss every 10).
     """
     torch = require_module("torch", "latent", "distill-latent")
     z = np.asarray(latents, dtype=np.float32)
@@ -323,7 +324,9 @@ def distill_latent(
     draws = torch.Generator().manual_seed(seed)
     t1 = time.perf_counter()
     model.train()
-    for _ in range(int(steps)):
+    tqdm = require_module("tqdm.auto", "latent", "distill-latent").tqdm
+    bar = tqdm(range(int(steps)), desc="latent scorer", unit="step", disable=not progress)
+    for i in bar:
         rows = tr
         if batch_size is not None and batch_size < len(tr):
             rows = tr[torch.randperm(len(tr), generator=draws)[:batch_size]]
@@ -341,6 +344,9 @@ def distill_latent(
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if i % 10 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+    bar.close()
     model.eval()
     with torch.no_grad():
         pred_all = model(zt, et).numpy() * std + mean
@@ -413,6 +419,7 @@ def distill_main(args: Any) -> int:
         holdout=args.holdout,
         seed=args.seed,
         teacher_name=args.teacher,
+        progress=not args.no_progress,
     )
     save_scorer(model, cfg, args.out, report)
     print(

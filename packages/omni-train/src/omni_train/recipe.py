@@ -219,6 +219,11 @@ class LatentDistillConfig(_Section):
         ge=2,
         description="Pairs each scorer step fits (a random minibatch); null = all of them.",
     )
+    seed: int = Field(
+        0,
+        description="Seed of the scorer's rollouts and fit. The scorer is the run's reward "
+        "model, so it does not follow `trainer.seed`: runs at other seeds reuse it.",
+    )
 
 
 class RewardConfig(_Section):
