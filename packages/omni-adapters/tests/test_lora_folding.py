@@ -90,3 +90,37 @@ def test_peft_forward_where_the_fold_does_not_apply(tiny_path, case):
     folded = velocity()
     unfold_lora_linears(a.model)
     assert torch.equal(folded, velocity())
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+@pytest.mark.parametrize("trained", ["both", "lora_A", "lora_B"])
+def test_each_gradient_the_backward_may_skip(input_grad, trained):
+    """The folded backward computes only the gradients autograd asks for (the input's, A's,
+    B's, in every combination) and each equals peft's."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 20))
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["0"], init_lora_weights=False)
+    model = inject_adapter_in_model(cfg, model)
+    for name, q in model.named_parameters():
+        q.requires_grad_("lora_" in name and trained in ("both", name.split(".")[-3]))
+    x0, g = torch.randn(2, 7, 12), torch.randn(2, 7, 20)
+
+    def grads() -> dict[str, torch.Tensor]:
+        x = x0.clone().requires_grad_(input_grad)
+        for q in model.parameters():
+            q.grad = None
+        model(x).backward(g)
+        out = {n: q.grad for n, q in model.named_parameters() if q.grad is not None}
+        return {**out, **({"x": x.grad} if input_grad else {})}
+
+    assert fold_lora_linears(model) == 1
+    folded = grads()
+    unfold_lora_linears(model)
+    peft = grads()
+    assert (
+        folded.keys() == peft.keys() and len(peft) == (2 if trained == "both" else 1) + input_grad
+    )
+    for n in peft:
+        torch.testing.assert_close(folded[n], peft[n], rtol=1e-5, atol=1e-6)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .lora_folding import fold_lora_linears, folded_weight
+from .rms_norm_fusing import fuse_rms_norms
 
 __all__ = [
     "ADAPTERS",
@@ -735,8 +736,10 @@ class OmniModelBase:
             )
         self._lora_configs[adapter_name] = cfg
         # the training forward with the adapter folded into the matmul's weight where the
-        # formula allows (float32, one plain adapter): fewer passes over the activations
+        # formula allows (float32, one plain adapter), and the frozen RMSNorms in one fused
+        # kernel with a hand-written backward: fewer passes over the activations
         fold_lora_linears(self.model)
+        fuse_rms_norms(self.model)
         if trainable:
             self._trainable_adapter = adapter_name
             self._activate(adapter_name)
