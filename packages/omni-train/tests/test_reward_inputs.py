@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from omni_train_testutils import local_loop
 
 from omni_train import train
 from omni_train.errors import TrainError
-from omni_train.latent_scorer import rollout_in_chunks
+from omni_train.latent_scorer import model_fingerprint, rollout_in_chunks
 from omni_train.recipe import RecipeError, recipe_from_dict
 
 
@@ -54,7 +55,18 @@ def test_latent_reward_trains_without_decoding(train_dict, tmp_path: Path) -> No
     # the scorer is not refitted when it exists and was fitted for these settings, whatever
     # the trainer's seed (the scorer is the run's reward model: reward.distill.seed)
     assert report["fitted_for"]["reward.distill"]["seed"] == 0
-    assert report["fitted_for"]["model.path"] == str(Path(d["model"]["path"]).resolve())
+    # the model by its files, not its folder: a copy elsewhere is the same model, a change
+    # to a weight file is another one
+    assert report["fitted_for"]["model_sha256"] == model_fingerprint(d["model"]["path"])
+    copy_ = tmp_path / "model_copy"
+    shutil.copytree(d["model"]["path"], copy_)
+    (copy_ / "README.md").write_text("a model card is not the model\n")
+    assert model_fingerprint(copy_) == model_fingerprint(d["model"]["path"])
+    weights = sorted(copy_.rglob("*.safetensors"))[0]
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 1
+    weights.write_bytes(bytes(blob))
+    assert model_fingerprint(copy_) != model_fingerprint(d["model"]["path"])
     mtime = (scorer / "model.safetensors").stat().st_mtime_ns
     d["trainer"]["seed"] = 3
     local_loop(recipe_from_dict(d), tmp_path / "run2").ports.close()

@@ -10,10 +10,10 @@ pairwise ranking loss). The held-out Spearman correlation against the teacher go
 console and to `report.json` next to the weights.
 
 The folder is a cache: `report.json` records what the scorer was fitted for (`fitted_for`:
-the model, a digest of the prompts, the sampling parameters and `reward.distill`). A later
-run with the same settings reuses it, whatever its `trainer.seed`; one with other settings
-stops with an error naming the keys that differ, rather than train against a scorer of
-another recipe or overwrite it.
+a fingerprint of the model's files, a digest of the prompts, the sampling parameters and
+`reward.distill`). A later run with the same settings reuses it, whatever its `trainer.seed`
+and wherever its copy of the model lies; one with other settings stops with an error naming
+the keys that differ, rather than train against a scorer of another recipe or overwrite it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,35 @@ from .errors import TrainError
 from .recipe import Recipe
 from .seeds import DOMAIN_DISTILL, derive_seed
 
-__all__ = ["ensure_latent_scorer", "fitted_for", "rollout_in_chunks"]
+__all__ = ["ensure_latent_scorer", "fitted_for", "model_fingerprint", "rollout_in_chunks"]
+
+
+def model_fingerprint(path: str | Path) -> str:
+    """A sha256 over a model folder's files (not its Markdown cards or hidden files): each
+    one's relative name and size, and its bytes (for a file over 4 MiB, 16 evenly spaced
+    samples of 64 KiB: two checkpoints of one architecture have the same names and sizes, not
+    the same weights). The same model copied to another folder keeps its fingerprint."""
+    root = Path(path).expanduser()
+    h = hashlib.sha256()
+    if not root.is_dir():
+        h.update(str(path).encode())
+        return h.hexdigest()
+    whole, sample, samples = 4 << 20, 64 << 10, 16
+    files = [q for q in root.rglob("*") if q.is_file() and q.suffix != ".md"]
+    files = [
+        q for q in files if not any(part.startswith(".") for part in q.relative_to(root).parts)
+    ]
+    for f in sorted(files):
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(root).as_posix()}\0{size}\0".encode())
+        with f.open("rb") as fh:
+            if size <= whole:
+                h.update(fh.read())
+                continue
+            for i in range(samples):
+                fh.seek((size - sample) * i // (samples - 1))
+                h.update(fh.read(sample))
+    return h.hexdigest()
 
 
 def fitted_for(recipe: Recipe, params: Any, prompts: list[str]) -> dict[str, Any]:
@@ -39,7 +67,7 @@ def fitted_for(recipe: Recipe, params: Any, prompts: list[str]) -> dict[str, Any
     d = recipe.reward.distill
     assert d is not None
     return {
-        "model.path": str(Path(recipe.model.path).expanduser().resolve()),
+        "model_sha256": model_fingerprint(recipe.model.path),
         "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
         "sampling": json.loads(json.dumps(params.to_dict())),
         "reward.distill": d.model_dump(mode="json"),
