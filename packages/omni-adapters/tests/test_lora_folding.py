@@ -10,7 +10,7 @@ import torch
 
 import omni_adapters
 from omni_adapters.lora_folding import fold_lora_linears, unfold_lora_linears
-from omni_adapters.testing import Params, generators, perturb_lora
+from omni_adapters.testing import Params, autograd_node_names, generators, perturb_lora
 
 
 def _replay(adapter, prompts=("a cat", "a red cube", "a dog")):
@@ -22,26 +22,13 @@ def _replay(adapter, prompts=("a cat", "a red cube", "a dog")):
     for q in adapter.trainable_parameters():
         q.grad = None
     v = adapter.replay_velocity(x, sig, c, p)
-    folded = "_FoldedLoRALinearBackward" in _graph_nodes(v)
+    folded = "_FoldedLoRALinearBackward" in autograd_node_names(v)
     (v.square().mean() + v.mean()).backward()
     return (
         folded,
         v.detach(),
         {n: q.grad.clone() for n, q in adapter.model.named_parameters() if q.grad is not None},
     )
-
-
-def _graph_nodes(t: torch.Tensor) -> set[str]:
-    """The names of the autograd nodes ``t`` was computed through."""
-    seen, todo, names = set(), [t.grad_fn], set()
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.add(type(fn).__name__)
-        todo.extend(f for f, _ in fn.next_functions)
-    return names
 
 
 def _adapter(tiny_path, dtype=torch.float32, dropout=0.0):

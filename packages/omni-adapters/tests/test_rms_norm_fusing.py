@@ -12,26 +12,14 @@ from diffusers.models.normalization import RMSNorm
 
 import omni_adapters
 from omni_adapters.rms_norm_fusing import fuse_rms_norms, unfuse_rms_norms
-from omni_adapters.testing import Params, generators, perturb_lora
-
-
-def _graph_nodes(t: torch.Tensor) -> set[str]:
-    seen, todo, names = set(), [t.grad_fn], set()
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.add(type(fn).__name__)
-        todo.extend(f for f, _ in fn.next_functions)
-    return names
+from omni_adapters.testing import Params, autograd_node_names, generators, perturb_lora
 
 
 def _norm_and_grad(norm: torch.nn.Module, x0: torch.Tensor, g: torch.Tensor):
     x = x0.detach().clone().requires_grad_(True)
     y = norm(x)
     y.backward(g)
-    return y.detach(), x.grad, "_FusedRMSNormBackward" in _graph_nodes(y)
+    return y.detach(), x.grad, "_FusedRMSNormBackward" in autograd_node_names(y)
 
 
 @pytest.mark.parametrize("affine", [True, False])
@@ -85,7 +73,7 @@ def test_lora_replay_through_fused_norms_on_the_tiny_sd3(tiny_path):
         v = a.replay_velocity(x, sig, c, p)
         v.square().mean().backward()
         grads = {n: q.grad.clone() for n, q in a.model.named_parameters() if q.grad is not None}
-        return v.detach(), grads, "_FusedRMSNormBackward" in _graph_nodes(v)
+        return v.detach(), grads, "_FusedRMSNormBackward" in autograd_node_names(v)
 
     v_f, g_f, fused = replay()
     assert unfuse_rms_norms(a.model) > 0

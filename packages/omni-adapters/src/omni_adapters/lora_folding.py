@@ -20,11 +20,12 @@ into the weight would round the adapter's small update away) runs peft's own for
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from .instance_forward import restore_class_forward, set_instance_forward
 
 __all__ = ["fold_lora_linears", "folded_weight", "unfold_lora_linears"]
 
@@ -105,15 +106,9 @@ def _lora_linears(model: nn.Module) -> list[nn.Module]:
 def fold_lora_linears(model: nn.Module) -> int:
     """Give every peft LoRA ``Linear`` of ``model`` the folded forward (module docstring);
     returns how many. Idempotent; state dicts and parameter names do not change."""
-    layers = _lora_linears(model)
-    for layer in layers:
-        layer.forward = types.MethodType(_folded_forward, layer)
-    return len(layers)
+    return set_instance_forward(_lora_linears(model), _folded_forward)
 
 
 def unfold_lora_linears(model: nn.Module) -> int:
     """Back to peft's own forward for every LoRA ``Linear`` of ``model``; returns how many."""
-    layers = _lora_linears(model)
-    for layer in layers:
-        layer.__dict__.pop("forward", None)
-    return len(layers)
+    return restore_class_forward(_lora_linears(model))

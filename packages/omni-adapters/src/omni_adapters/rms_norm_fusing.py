@@ -22,10 +22,10 @@ Anything else runs diffusers' own forward.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import Tensor, nn
+
+from .instance_forward import restore_class_forward, set_instance_forward
 
 __all__ = ["fuse_rms_norms", "unfuse_rms_norms"]
 
@@ -72,15 +72,9 @@ def _rms_norms(model: nn.Module) -> list[nn.Module]:
 def fuse_rms_norms(model: nn.Module) -> int:
     """Give every diffusers ``RMSNorm`` of ``model`` the fused forward (module docstring);
     returns how many. Idempotent; state dicts and parameter names do not change."""
-    norms = _rms_norms(model)
-    for norm in norms:
-        norm.forward = types.MethodType(_fused_forward, norm)
-    return len(norms)
+    return set_instance_forward(_rms_norms(model), _fused_forward)
 
 
 def unfuse_rms_norms(model: nn.Module) -> int:
     """Back to diffusers' own forward for every ``RMSNorm`` of ``model``; returns how many."""
-    norms = _rms_norms(model)
-    for norm in norms:
-        norm.__dict__.pop("forward", None)
-    return len(norms)
+    return restore_class_forward(_rms_norms(model))

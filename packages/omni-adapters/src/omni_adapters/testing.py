@@ -14,6 +14,7 @@ import torch
 
 __all__ = [
     "Params",
+    "autograd_node_names",
     "euler_sample",
     "generators",
     "pearson",
@@ -34,6 +35,20 @@ class Params:
     guidance_scale: float = 1.0
     true_cfg_scale: float = 1.0
     noise_level: float = 0.7
+
+
+def autograd_node_names(t: torch.Tensor) -> set[str]:
+    """The class names of the autograd nodes ``t`` was computed through (e.g. whether a
+    custom ``autograd.Function`` ran: ``"_FoldedLoRALinearBackward"``)."""
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
 
 
 def generators(seeds: list[int]) -> list[torch.Generator]:
