@@ -85,6 +85,12 @@ def test_latent_reward_trains_without_decoding(train_dict, tmp_path: Path) -> No
     with pytest.raises(TrainError, match=r"fitted for other settings \(prompts_sha256: "):
         local_loop(recipe_from_dict(other), tmp_path / "run3")
     assert (scorer / "model.safetensors").stat().st_mtime_ns == mtime
+    # an unreadable report is an error naming it, not a traceback
+    good = (scorer / "report.json").read_text()
+    (scorer / "report.json").write_text("{not json")
+    with pytest.raises(TrainError, match=r"reward\.options\.path: .*report\.json cannot be read"):
+        local_loop(recipe_from_dict(d), tmp_path / "run3")
+    (scorer / "report.json").write_text(good)
     # a scorer folder that records no fitting settings (made elsewhere, or by an older
     # version) is reused as it is
     del report["fitted_for"]

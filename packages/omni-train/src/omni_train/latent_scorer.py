@@ -119,8 +119,11 @@ def ensure_latent_scorer(recipe: Recipe, engine: Any, params: Any, prompts: list
     want = fitted_for(recipe, params, prompts)
     if (out / "config.json").is_file():
         report_file = out / "report.json"
-        report = json.loads(report_file.read_text()) if report_file.is_file() else {}
-        have = report.get("fitted_for")
+        try:
+            report = json.loads(report_file.read_text()) if report_file.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise TrainError(f"reward.options.path: {report_file} cannot be read: {exc}") from None
+        have = report.get("fitted_for") if isinstance(report, dict) else None
         if have is None:
             print(f"reward.distill: reusing the scorer in {out} (it records no fitting settings)")
             return
