@@ -65,7 +65,7 @@ class _FoldedLoRALinear(torch.autograd.Function):
             g_b = g2 @ lora_b
         # the scale goes on the thin (rows x rank) factors, not on g (a pass over all of it);
         # dB as ((s x A^T)^T g)^T: with the rank-wide factor on the left the product ran
-        # 1.5-2.7x faster on 2 CPU cores than g^T (s x A^T) (benchmarks/training_kernels.py)
+        # 1.1-3.3x faster on 2 CPU cores than g^T (s x A^T) (benchmarks/training_kernels.py)
         d_a = (g_b * s).t() @ x2 if need_a else None
         d_b = ((x2 @ lora_a.t()).mul_(s).t() @ g2).t() if need_b else None
         return dx, None, None, d_a, d_b, None
