@@ -152,15 +152,18 @@ def test_update_parity_local_vs_two_fsdp_ranks(name, sd3_pool):
     got = rl.update(batch, 0)
     want = local.update(batch, 0)
     # DPO's loss multiplies each pair's error differences by beta / 2 = 1000: the second
-    # minibatch, run on weights that differ by reduction-order rounding, reads ~2e-5 apart
-    assert got["loss"] == pytest.approx(want["loss"], abs=1e-4 if name == "diffusion_dpo" else 1e-5)
+    # minibatch, run on weights that differ by reduction-order rounding, reads 2e-5 to 4e-5
+    # apart and its weights 1e-6 (above 1e-5 once, in CI's wheel install; they move 2e-2),
+    # so DPO is held to 5e-4 and 1e-4, still far below what a wrong pairing or shard gives
+    dpo = name == "diffusion_dpo"
+    assert got["loss"] == pytest.approx(want["loss"], abs=5e-4 if dpo else 1e-5)
     assert got["actor/grad_norm"] == pytest.approx(want["actor/grad_norm"], rel=1e-4, abs=1e-7)
     lw, rw = local.rollout_weights(), rl.rollout_weights().whole()
     assert sorted(lw) == sorted(rw)
     moved = max(float((lw[k] - before[k]).abs().max()) for k in lw)
     assert moved > 1e-4, "the update did not move the weights"
     for k in lw:
-        torch.testing.assert_close(rw[k], lw[k], atol=1e-5, rtol=0, msg=k)
+        torch.testing.assert_close(rw[k], lw[k], atol=1e-4 if dpo else 1e-5, rtol=0, msg=k)
     if name == "diffusion_dpo":  # the loop paired two per group before either backend ran
         assert batch.x0_w.shape[0] == 6
     if name == "diffusion_nft":  # both re-noised at the schedule's sigmas, not the raw draws
