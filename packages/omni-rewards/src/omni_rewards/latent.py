@@ -344,7 +344,7 @@ def distill_latent(
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if i % 10 == 0:
+        if progress and i % 10 == 0:  # .item() only for a bar someone sees
             bar.set_postfix(loss=f"{loss.item():.4f}")
     bar.close()
     model.eval()
