@@ -64,6 +64,7 @@ class _Entry:
     version: int | None
     t_submit: float
     stop: bool = False  # set by cancel/abort while the request's wave runs
+    differentiable: bool = False  # generate_many(differentiable=True): keep the SDE graph
 
 
 @dataclass
@@ -179,7 +180,11 @@ class EmbeddedEngine:
         return self._enqueue(requests, start_thread=True)
 
     def _enqueue(
-        self, requests: Iterable[RolloutRequest], *, start_thread: bool
+        self,
+        requests: Iterable[RolloutRequest],
+        *,
+        start_thread: bool,
+        differentiable: bool = False,
     ) -> list[concurrent.futures.Future]:
         entries = []
         now = time.monotonic()
@@ -193,9 +198,10 @@ class EmbeddedEngine:
                 _Entry(
                     req,
                     concurrent.futures.Future(),
-                    _sched_key(req),
+                    (*_sched_key(req), differentiable),
                     req.params.weights_version,
                     now,
+                    differentiable=differentiable,
                 )
             )
         with self._cond:
@@ -222,6 +228,7 @@ class EmbeddedEngine:
         *,
         progress: bool = False,
         on_ready: Callable[[list[int], list[Trajectory]], None] | None = None,
+        differentiable: bool = False,
     ) -> list[Trajectory]:
         """Blocking: roll out many requests, trajectories in request order.
 
@@ -230,8 +237,13 @@ class EmbeddedEngine:
         called in this thread after each wave with the requests it finished (their indices
         in ``requests``), before the next wave starts: the caller can hand them to a reward
         thread meanwhile. The first failed request's error is raised after all finished.
+
+        ``differentiable``: the trajectories' ``log_probs`` keep the autograd graph of their
+        SDE steps (`diffusion_rollout.wave`), for a trainer that back-propagates through
+        this rollout's forwards; these requests share waves only with each other. Their
+        activations stay in memory as long as the trajectories do.
         """
-        futs = self._enqueue(requests, start_thread=False)
+        futs = self._enqueue(requests, start_thread=False, differentiable=differentiable)
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -510,6 +522,7 @@ class EmbeddedEngine:
                         t_start=t_start,
                         t_submit=[e.t_submit for e in ok],
                         cancelled=lambda i: ok[i].stop,
+                        differentiable=ok[0].differentiable,
                     )
             except BaseException as exc:  # the wave fails, the engine keeps serving
                 with self._cond:

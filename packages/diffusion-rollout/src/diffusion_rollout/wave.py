@@ -25,10 +25,22 @@ A wave's requests carry images all or none, and the same number of them.
 Each distinct (prompt, negative prompt, condition images) of a wave is encoded once: the n
 samples of a prompt share its rows. ``encode`` gets the wave's ``params=``, so a denoiser
 can skip the negative branch when guidance is off.
+
+``differentiable=True`` keeps the autograd graph of the SDE steps, for a trainer that
+back-propagates through the rollout's own forwards instead of replaying them (one optimizer
+step on the rollout's weights: the replay would recompute these very forwards). At a step
+where some rows are inside their SDE window (a Gaussian kind with noise level > 0), those
+rows' forward runs with autograd and the others' without; the sample is drawn from the
+detached velocity, and the log-prob is then computed for that fixed sample, as the replay
+computes it (``sde.step(..., prev_sample=...)``): so ``Trajectory.log_probs`` is
+differentiable in the denoiser's trainable weights through each step's own velocity only
+(every step's input is detached), with the values of the no-grad rollout. Every other
+forward (ODE steps, the tail, the encoders) runs without autograd.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections import defaultdict
@@ -111,6 +123,7 @@ def denoise_wave(
     t_start: float | None = None,
     t_submit: Sequence[float] | None = None,
     cancelled: Callable[[int], bool] | None = None,
+    differentiable: bool = False,
 ) -> tuple[list[Trajectory | None], int, float]:
     """Denoise one wave of compatible requests; every forward sees all rows.
 
@@ -121,8 +134,29 @@ def denoise_wave(
     ``cancelled(i)`` (optional) is asked at every step boundary whether request ``i`` should
     stop; a stopped row leaves the wave there (the rest go on without it, their results
     unchanged) and its trajectory is None.
+
+    ``differentiable``: keep the autograd graph of the SDE steps' log-probs (module
+    docstring); autograd is switched on here for them, whatever the caller's grad mode.
     """
-    den = denoiser
+    if differentiable:
+        with torch.enable_grad():
+            return _denoise(
+                denoiser, requests, version, t_start, t_submit, cancelled, differentiable=True
+            )
+    return _denoise(denoiser, requests, version, t_start, t_submit, cancelled)
+
+
+def _denoise(
+    den: Denoiser,
+    requests: Sequence[RolloutRequest],
+    version: int,
+    t_start: float | None,
+    t_submit: Sequence[float] | None,
+    cancelled: Callable[[int], bool] | None,
+    differentiable: bool = False,
+) -> tuple[list[Trajectory | None], int, float]:
+    # without autograd unless `differentiable` asks for it at an SDE step
+    no_grad = torch.no_grad if differentiable else contextlib.nullcontext
     reqs = list(requests)
     if not reqs:
         return [], 0, 0.0
@@ -167,7 +201,8 @@ def denoise_wave(
 
     # 2. initial latents (row k from gens_s[k]) and the condition.
     t0 = time.monotonic()
-    x = den.init_latents(batch, params, gens_s)
+    with no_grad():
+        x = den.init_latents(batch, params, gens_s)
     if not isinstance(x, Tensor) or x.shape[0] != batch:
         raise ValueError(
             f"denoiser.init_latents returned {getattr(x, 'shape', type(x))}, expected a "
@@ -179,7 +214,8 @@ def denoise_wave(
     # forwards need it batch-first); `row_u[k]` is row k's row in `cond_u`, which the
     # trajectories keep (views, so n samples share one copy).
     uniq, row_u = _unique_rows(reqs_s)
-    cond_u = _encode(den, [reqs_s[k] for k in uniq], params, with_images)
+    with no_grad():
+        cond_u = _encode(den, [reqs_s[k] for k in uniq], params, with_images)
     cond = _expand(cond_u, row_u)
     sig_all = den.sigmas(params).to(device=x.device, dtype=torch.float32)
     if sig_all.shape != (num_steps + 1,):
@@ -229,7 +265,8 @@ def denoise_wave(
         if stride > 1 and i >= last:
             # the untrained tail after every row's window: `stride` schedule steps per forward
             j = min(i + stride, num_steps)
-            v = den.velocity(x, sig_all[i].expand(batch).contiguous(), cond, params)
+            with no_grad():
+                v = den.velocity(x, sig_all[i].expand(batch).contiguous(), cond, params)
             forwards += 1
             s_i = float(sig_all[i])
             x, x0_prev = ode.dpm_solver_2m_step(
@@ -240,7 +277,13 @@ def denoise_wave(
             i = j
             continue
         sig, sig_n = sig_all[i], sig_all[i + 1]
-        v = den.velocity(x, sig.expand(batch).contiguous(), cond, params).to(torch.float32)
+        graph_rows = _graph_rows(plan[i]) if differentiable else []
+        if graph_rows:
+            v = _velocity_with_graph(den, x, sig, cond, params, graph_rows)
+        else:
+            with no_grad():
+                v = den.velocity(x, sig.expand(batch).contiguous(), cond, params)
+            v = v.to(torch.float32)
         forwards += 1
         pieces, lp_pieces = [], []
         for lo, hi, kind, nl in plan[i]:
@@ -249,12 +292,31 @@ def denoise_wave(
                 pieces.append(xv + (sig_n - sig) * vv)
                 lp_pieces.append(None)
             else:
-                out = sde.step(
-                    xv, vv, sig, sig_n, noise_level=nl, kind=kind, generator=gens_s[lo:hi]
-                )
+                with no_grad():  # the sample: drawn from the velocity's value
+                    out = sde.step(
+                        xv,
+                        vv.detach(),
+                        sig,
+                        sig_n,
+                        noise_level=nl,
+                        kind=kind,
+                        generator=gens_s[lo:hi],
+                    )
                 pieces.append(out.prev_sample)
+                if graph_rows and vv.requires_grad:  # its log-prob, through the velocity
+                    out = sde.step(
+                        xv,
+                        vv,
+                        sig,
+                        sig_n,
+                        noise_level=nl,
+                        kind=kind,
+                        prev_sample=out.prev_sample,
+                    )
                 lp_pieces.append(out.log_prob)
         x = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if differentiable:  # the next step starts from the sample, not from its graph
+            x = x.detach()
         if any(lp is not None for lp in lp_pieces):
             lps[i] = torch.cat(
                 [
@@ -271,7 +333,8 @@ def denoise_wave(
 
     media = None
     if params.output in ("pixel", "both"):
-        media = den.decode(x)
+        with no_grad():
+            media = den.decode(x)
     t3 = time.monotonic()
 
     # Per-row results are views into per-wave tensors (one stack each, no per-row copies).
@@ -307,6 +370,44 @@ def denoise_wave(
             params=r.params,
         )
     return trajs, forwards, step_s
+
+
+def _graph_rows(segments: list[tuple[int, int, str | None, float]]) -> list[int]:
+    """The rows of a step whose log-prob depends on the velocity: inside an SDE window of a
+    Gaussian kind with noise (the ODE kind and noise level 0 have log-prob 0)."""
+    return [
+        k
+        for lo, hi, kind, nl in segments
+        if kind is not None and kind != "ode" and nl > 0
+        for k in range(lo, hi)
+    ]
+
+
+def _velocity_with_graph(
+    den: Denoiser,
+    x: Tensor,
+    sigma: Tensor,
+    cond: dict[str, Tensor],
+    params: Any,
+    rows: list[int],
+) -> Tensor:
+    """The velocity of all rows, with autograd for ``rows`` only (float32, row order)."""
+    batch = x.shape[0]
+    if len(rows) == batch:
+        return den.velocity(x, sigma.expand(batch).contiguous(), cond, params).float()
+    graph = torch.as_tensor(rows, device=x.device)
+    rest = torch.as_tensor(sorted(set(range(batch)) - set(rows)), device=x.device)
+
+    def forward(idx: Tensor) -> Tensor:
+        sub = {key: t.index_select(0, idx.to(t.device)) for key, t in cond.items()}
+        sig = sigma.expand(len(idx)).contiguous()
+        return den.velocity(x.index_select(0, idx), sig, sub, params).float()
+
+    v_graph = forward(graph)
+    with torch.no_grad():
+        v_rest = forward(rest)
+    inverse = torch.argsort(torch.cat([graph, rest]))
+    return torch.cat([v_graph, v_rest]).index_select(0, inverse)
 
 
 def _image_key(image: Any) -> tuple:
