@@ -353,6 +353,19 @@ class AlgorithmConfig(_Section):
         "official trainer re-noises at the sampler's timesteps.",
     )
 
+    reuse_rollout_forward: bool = Field(
+        False,
+        description="SDE replay algorithms (flow_grpo, dance_grpo, mix_grpo): the update "
+        "back-propagates through the rollout's own forwards of the trained SDE steps instead "
+        "of recomputing them, the same gradient with one forward per trained step fewer "
+        "(`omni_train.updates.replay`). The rollout then runs on the learner's unmerged "
+        "weights, with autograd for its trained steps, and keeps their activations until the "
+        "update: the memory of a replay of the whole batch in one micro-batch. It needs one "
+        "optimizer step on the rollout's own weights: num_minibatches 1, epochs 1, kl_beta 0, "
+        "rollout_correction off, rows_per_forward null; trainer.backend local, trainer.mode "
+        "sync, rollout.backend embedded.",
+    )
+
     pairs_per_group: int = Field(
         1,
         ge=1,
@@ -707,10 +720,50 @@ class Recipe(_Section):
                 "verl sizes its own micro-batches (its actor.use_dynamic_bsz, through "
                 "trainer.verl)"
             )
+        if a.reuse_rollout_forward:
+            out.extend(self._reuse_rollout_forward_problems(row))
         if t.backend == "verl" and self.rollout.allowed_tokens:
             out.append(
                 "rollout.allowed_tokens: verl's rollout engines sample without a token mask; "
                 "use trainer.backend local or ray"
+            )
+        return out
+
+    def _reuse_rollout_forward_problems(self, row: Any) -> list[str]:
+        """`algorithm.reuse_rollout_forward` gives the replay's gradient only when the update
+        is one optimizer step on the rollout's own weights, in the process that rolled out,
+        with a loss that reads nothing but the log-probs."""
+        a, t = self.algorithm, self.trainer
+        key = "algorithm.reuse_rollout_forward"
+        if row.kind != "sde_replay" or {"mean", "std", "std_mean"} & set(row.loss_inputs):
+            return [
+                f"{key}: {a.name} does not train on the rollout's log-probs alone; it is for "
+                "flow_grpo, dance_grpo and mix_grpo"
+            ]
+        out = []
+        if a.num_minibatches != 1 or a.epochs != 1:
+            out.append(
+                f"{key}: needs one optimizer step per rollout (algorithm.num_minibatches 1 and "
+                f"epochs 1, got {a.num_minibatches} and {a.epochs}): later steps train on "
+                "weights the rollout did not run"
+            )
+        if a.kl_beta > 0:
+            out.append(f"{key}: algorithm.kl_beta > 0 replays the reference; set kl_beta 0")
+        if a.rollout_correction != "off":
+            out.append(
+                f"{key}: algorithm.rollout_correction {a.rollout_correction} corrects another "
+                "engine's log-probs; the rollout is the learner's own here (set it off)"
+            )
+        if a.rows_per_forward is not None:
+            out.append(
+                f"{key}: algorithm.rows_per_forward does not apply (the update runs no forward "
+                "of its own; the rollout's waves hold rollout.max_num_seqs rows): set it null"
+            )
+        if t.backend != "local" or t.mode != "sync" or self.rollout.backend != "embedded":
+            out.append(
+                f"{key}: needs trainer.backend local, trainer.mode sync and rollout.backend "
+                f"embedded (the rollout runs in the learner's process on the learner's "
+                f"weights); got {t.backend}, {t.mode}, {self.rollout.backend}"
             )
         return out
 

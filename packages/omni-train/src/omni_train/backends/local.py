@@ -5,9 +5,10 @@ With LoRA the rollout engine samples with a merged copy of the policy
 other tensor is the learner's own), so its forwards cost the base model's; each weight sync
 merges the new LoRA tensors into it, and the learner keeps its unmerged peft model. That also
 lets `trainer.mode: async` sample step k+1 while step k trains. In the synchronous loop with an
-EMA adapter (validation samples with it) and in full fine-tuning the engine samples with the
-learner's own module (a weight sync only bumps the version); in async full fine-tuning it gets
-a deep copy.
+EMA adapter (validation samples with it), in full fine-tuning, and with
+`algorithm.reuse_rollout_forward` (the update back-propagates through the rollout's own
+forwards) the engine samples with the learner's own module (a weight sync only bumps the
+version); in async full fine-tuning it gets a deep copy.
 """
 
 from __future__ import annotations
@@ -212,7 +213,9 @@ def make_local_ports(recipe: Recipe) -> Ports:
             closers=[remote.close],
         )
     rollout_adapter = adapter
-    if r.lora.enabled and (r.trainer.mode == "async" or r.optimizer.ema_decay == 0):
+    # reuse_rollout_forward: the update back-propagates through the rollout's own forwards
+    merge = r.trainer.mode == "async" or r.optimizer.ema_decay == 0
+    if r.lora.enabled and merge and not r.algorithm.reuse_rollout_forward:
         rollout_adapter = adapter.merged_rollout_copy()
     elif r.trainer.mode == "async":  # the rollout of step k+1 overlaps the update of step k
         rollout_adapter = copy.deepcopy(adapter)

@@ -12,8 +12,9 @@ One step (FlowGRPO: Liu et al. 2025, arXiv 2505.05470; the other algorithms of
    the waveform of a video+audio model.
 3. Advantages. Group-relative (`omni_algos.advantages.group_advantages`), clipped to
    +-`algorithm.adv_clip_max`.
-4. Update. The algorithm's update step (`omni_train.updates`) on the learner: the SDE replay,
-   or the forward-process losses on the re-noised final latents.
+4. Update. The algorithm's update step (`omni_train.updates`) on the learner: the SDE replay
+   (or, with `algorithm.reuse_rollout_forward`, a backward through the rollout's own
+   forwards), or the forward-process losses on the re-noised final latents.
 5. Weight sync. The learner's rollout weights go to the rollout as version s + 1.
 6. Record. One metrics row; sample grids, validation and checkpoints at their cadence.
 
@@ -397,7 +398,12 @@ class DiffusionLoop:
                 next_step=start,
             )
         else:
-            rollout = SyncRollout(self.ports.rollout, self.requests_for, self.version)
+            rollout = SyncRollout(
+                self.ports.rollout,
+                self.requests_for,
+                self.version,
+                differentiable=r.algorithm.reuse_rollout_forward,
+            )
         rows: list[dict[str, Any]] = []
         self.run.start(start)
         if t.val_every:

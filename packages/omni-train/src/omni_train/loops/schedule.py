@@ -73,24 +73,35 @@ class SyncRollout:
     ``on_ready(indices, trajectories)`` is called as each wave's samples finish, before the
     next waves compute (in this thread: `EmbeddedEngine.generate_many` runs the waves in its
     caller's thread), so the loop can hand them to a reward thread (the reward overlaps the
-    rollout); the trajectories come back in request order either way."""
+    rollout); the trajectories come back in request order either way.
 
-    def __init__(self, port: Any, requests_for: Callable[[int], list[Any]], version: int = 0):
+    ``differentiable`` (`algorithm.reuse_rollout_forward`, the embedded engine): the
+    trajectories' log-probs keep the autograd graph of their SDE steps for the update."""
+
+    def __init__(
+        self,
+        port: Any,
+        requests_for: Callable[[int], list[Any]],
+        version: int = 0,
+        differentiable: bool = False,
+    ):
         self.port = port
         self.requests_for = requests_for
         self.version = version
+        self.differentiable = differentiable
         self.stats: dict[str, float] = {}
 
     def collect(
         self, step: int, on_ready: Callable[[list[int], list[Any]], None] | None = None
     ) -> list[Any]:
         requests = self.requests_for(step)
-        if on_ready is None or not hasattr(self.port, "submit_many"):
+        if not self.differentiable and (on_ready is None or not hasattr(self.port, "submit_many")):
             trajs, self.stats = _rollout(self.port, requests)
             return trajs
         # the embedded engine: its waves run in this thread, on_ready between them
         before = self.port.stats()
-        trajs = self.port.generate_many(requests, on_ready=on_ready)
+        kw = {"differentiable": True} if self.differentiable else {}
+        trajs = self.port.generate_many(requests, on_ready=on_ready, **kw)
         after = self.port.stats()
         forwards = after.get("forwards", 0) - before.get("forwards", 0)
         self.stats = {

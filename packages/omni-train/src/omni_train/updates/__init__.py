@@ -114,13 +114,25 @@ def update_plans(
         items = int(batch.t.shape[0])
     else:
         items = 1
-    return make_update_plans(
-        batch_rows(batch),
-        num_minibatches=a.num_minibatches,
-        epochs=a.epochs,
-        seed=recipe.trainer.seed,
-        step=step,
-        world_size=world_size,
-        rows_per_forward=per_forward,
-        items=items,
-    )
+
+    def plans(rows_per_forward: int) -> list[UpdatePlan]:
+        return make_update_plans(
+            batch_rows(batch),
+            num_minibatches=a.num_minibatches,
+            epochs=a.epochs,
+            seed=recipe.trainer.seed,
+            step=step,
+            world_size=world_size,
+            rows_per_forward=rows_per_forward,
+            items=items,
+        )
+
+    out = plans(per_forward)
+    if isinstance(batch, ReplayBatch) and batch.log_probs.requires_grad:
+        # reuse_rollout_forward: the optimizer step is one micro-batch of every row and step,
+        # so the loss back-propagates once through each of the rollout's forwards (a split
+        # would walk a forward once per part); the no-grad passes keep their split
+        whole = plans(batch_rows(batch) * items)
+        for plan, one in zip(out, whole):
+            plan.steps = one.steps
+    return out

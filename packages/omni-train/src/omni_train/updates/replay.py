@@ -24,6 +24,13 @@ Several window steps go through one forward when the micro-batch is small enough
 (`UpdatePlan` ``pack``): the rows of steps ``j1, j2, ...`` are concatenated with their own
 sigmas (the velocity takes one sigma per row), which gives the same gradients as one forward
 per step with fewer, larger forwards.
+
+With `algorithm.reuse_rollout_forward` the batch's log-probs carry the rollout's own autograd
+graph (`diffusion_rollout.wave`, ``differentiable``): the rollout ran on these very weights, so
+the replay would recompute its forwards. The loss then reads ``lp_j`` from the batch (the
+anchor ``lp_old_j`` is its value, ratio 1) and the one backward of the one micro-batch
+(`update_plans`) goes through the rollout's forwards: the replay's gradient, without its
+forwards.
 """
 
 from __future__ import annotations
@@ -160,8 +167,18 @@ def sde_replay_update(
     alg, s, col = ctx.algorithm, ctx.settings, ctx.collective
     loss_fn = LOSSES[alg.loss]
     n_rows, W = batch.log_probs.shape
-    old_lp = batch.log_probs
     needs = set(alg.loss_inputs)
+    # reuse_rollout_forward: the log-probs are the rollout's, with its graph (module docstring)
+    from_rollout = batch.log_probs.requires_grad
+    old_lp = batch.log_probs.detach()
+    if from_rollout and (
+        needs & {"mean", "std", "std_mean"} or correction is not None or s.kl_beta > 0
+    ):
+        raise ValueError(
+            f"{alg.name}: the update reads more than the rollout's log-probs (mean, std, the KL "
+            "reference or a correction), so it cannot train on the rollout's own graph "
+            "(algorithm.reuse_rollout_forward)"
+        )
 
     # 1. one no-grad pass on the rollout-time weights (before any optimizer step)
     old_mean = prox = std = sqrt_dt = None
@@ -200,14 +217,20 @@ def sde_replay_update(
 
     def micro_loss(rows: list[int], js: list[int], n_step: int, dummy: bool):
         idx = torch.as_tensor(rows, dtype=torch.long)
-        outs = replay_steps(ctx.adapter, batch, rows, js, grad=True)
+        if from_rollout:
+            outs = None
+            log_probs = [batch.log_probs[idx, j] for j in js]
+        else:
+            outs = replay_steps(ctx.adapter, batch, rows, js, grad=True)
+            log_probs = [out.log_prob for out in outs]
         refs = None
         if s.kl_beta > 0:
             refs = replay_steps(ctx.adapter, batch, rows, js, grad=False, reference=True)
         loss, metrics = 0.0, {}
-        for i, (j, out) in enumerate(zip(js, outs)):
+        for i, (j, log_prob) in enumerate(zip(js, log_probs)):
+            out = outs[i] if outs is not None else None
             if n_step == 0 and not dummy:
-                d = (out.log_prob.detach() - old_lp[idx, j]).abs()
+                d = (log_prob.detach() - old_lp[idx, j]).abs()
                 diff[0], diff[1] = diff[0] + float(d.sum()), diff[1] + d.numel()
                 diff[2] = max(diff[2], float(d.max()))
             kw: dict = {}
@@ -224,7 +247,7 @@ def sde_replay_update(
             if weights is not None:
                 kw["weights"] = weights[idx, j]
             lo = loss_fn(
-                log_prob=out.log_prob,
+                log_prob=log_prob,
                 old_log_prob=anchor[idx, j],
                 advantages=batch.advantages[idx],
                 **kw,
