@@ -23,6 +23,10 @@ stay equal (printed).
 
 ``--sides ours,reference,ours-thread`` adds ours with the waves in the engine's scheduler
 thread, as the engine ran them before (the thread penalty, docs/performance.md).
+``--sides ours,reference,ours-reuse`` adds ours with ``algorithm.reuse_rollout_forward``: the
+rollout keeps the autograd graph of its trained steps (on the learner's unmerged weights) and
+the update back-propagates through it instead of replaying those forwards; the same samples,
+timesteps and gradient, with one forward per trained step fewer (the rows line shows it).
 ``--sides ours,ours-base`` adds ours without the LoRA (``lora.enabled: false``, so the update
 trains every weight): its rollout forwards the base model, and the rollout ratio
 ours-base / ours tells what the LoRA costs our rollout (merged into the rollout copy's
@@ -308,11 +312,10 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
                 "max_num_seqs": a.ours_batch or a.batch,
             },
             "reward": {"name": "brightness"},
-            "algorithm": {
-                "name": "flow_grpo",
-                "clip_range": CLIP,
-                "rows_per_forward": _replay_rows(a),
-            },
+            # ours-reuse: the update back-propagates through the rollout's own forwards
+            "algorithm": {"name": "flow_grpo", "clip_range": CLIP, "reuse_rollout_forward": True}
+            if a.child == "ours-reuse"
+            else {"name": "flow_grpo", "clip_range": CLIP, "rows_per_forward": _replay_rows(a)},
             # ours-base: the base model's rollout (the update then trains every weight)
             "lora": {"enabled": False}
             if a.child == "ours-base"
@@ -615,7 +618,7 @@ PHASES = (
     "backward",
     "peak_gib",
 )
-SIDES = ("ours", "reference", "ours-thread", "ours-base")
+SIDES = ("ours", "reference", "ours-thread", "ours-base", "ours-reuse")
 
 
 def child(a: argparse.Namespace) -> None:
@@ -694,7 +697,8 @@ def main(argv: list[str] | None = None) -> int:
         default="ours,reference",
         help="of: ours, reference, ours-thread (ours with the waves in the engine's scheduler "
         "thread, as before: the thread penalty), ours-base (ours without the LoRA: its "
-        "rollout is the base model's)",
+        "rollout is the base model's), ours-reuse (ours with algorithm.reuse_rollout_forward: "
+        "the update back-propagates through the rollout's forwards instead of replaying them)",
     )
     ap.add_argument(
         "--kl-metric",

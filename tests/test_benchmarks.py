@@ -127,23 +127,25 @@ def test_full_width_pipeline_runs_through_both_loaders(tmp_path):
 def test_script_runs_on_cpu_in_bfloat16():
     """``--device cpu --dtype bfloat16``: both sides train a step in bf16 and the table
     prints, with equal transformer rows on both sides; ours with `rows_per_forward: auto`;
-    ``ours-base`` (ours without the LoRA, its rollout the base model's) forwards as many."""
+    ``ours-base`` (ours without the LoRA, its rollout the base model's) forwards as many;
+    ``ours-reuse`` (`algorithm.reuse_rollout_forward`) forwards only the rollout's rows."""
     cmd = [
         sys.executable,
         str(SCRIPT),
         *("--device", "cpu", "--dtype", "bfloat16", "--models", "tiny"),
         *("--repeats", "1", "--steps", "1", "--warmup", "0"),
         *("--prompts", "2", "--n", "2", "--batch", "4", "--num-steps", "2", "--threads", "1"),
-        *("--ours-replay", "auto", "--sides", "ours,reference,ours-base"),
+        *("--ours-replay", "auto", "--sides", "ours,reference,ours-base,ours-reuse"),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "cpu, bfloat16" in out.stdout
     assert "(ours 4 rows per forward, replay auto)" in out.stdout
     assert "| tiny | step |" in out.stdout
-    # N=4 samples x 2 steps in the rollout, 4 x 1 trained timestep in the update
+    # N=4 samples x 2 steps in the rollout, 4 x 1 trained timestep in the update (none
+    # with ours-reuse: its update back-propagates through the rollout's forwards)
     rows = "transformer rows forwarded per step (equal work): tiny: ours 12, reference 12, "
-    assert rows + "ours-base 12" in out.stdout
+    assert rows + "ours-base 12, ours-reuse 8" in out.stdout
     assert "| model | phase | ours s | reference s | reference / ours | ours-base s |" in (
         out.stdout
     )
