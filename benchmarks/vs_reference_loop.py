@@ -44,7 +44,7 @@ the median over repeats, the ratios other / ours (> 1: ours is faster) and the s
 of each step spent outside the model. Load average before and after is printed: the machine
 may be shared.
 
-    uv run python benchmarks/vs_reference_loop.py                          # tiny + cpu
+    uv run python benchmarks/vs_reference_loop.py                          # tiny + cpu, 3 sides
     bash benchmarks/device/vs_reference_sd35.sh                            # H200, sd35-medium
     uv run python benchmarks/vs_reference_loop.py --models tiny,cpu,cpu-large --repeats 3
     uv run python benchmarks/vs_reference_loop.py --models tiny --sides ours,ours-thread
@@ -694,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--sides",
-        default="ours,reference",
+        default="ours,reference,ours-reuse",
         help="of: ours, reference, ours-thread (ours with the waves in the engine's scheduler "
         "thread, as before: the thread penalty), ours-base (ours without the LoRA: its "
         "rollout is the base model's), ours-reuse (ours with algorithm.reuse_rollout_forward: "
