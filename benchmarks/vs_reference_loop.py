@@ -793,6 +793,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"{label}: " + "; ".join(cells))
 
+    if "reference" in sides:  # each of our sides against the reference, per step
+        for name, res in results.items():
+            ref = res["reference"]["step"]
+            cells = ", ".join(f"{x} {ref / res[x]['step']:.2f}x" for x in sides if x != "reference")
+            print(f"reference / ours per step, {name}: {cells}")
+        print()
     per_side("seconds per step inside backward()", "backward", ".3f")
     per_side("transformer rows forwarded per step (equal work)", "rows", "g")
     if a.device.startswith("cuda"):

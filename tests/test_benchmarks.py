@@ -142,6 +142,7 @@ def test_script_runs_on_cpu_in_bfloat16():
     assert "cpu, bfloat16" in out.stdout
     assert "(ours 4 rows per forward, replay auto)" in out.stdout
     assert "| tiny | step |" in out.stdout
+    assert "reference / ours per step, tiny: ours " in out.stdout and ", ours-reuse " in out.stdout
     # N=4 samples x 2 steps in the rollout, 4 x 1 trained timestep in the update (none
     # with ours-reuse: its update back-propagates through the rollout's forwards)
     rows = "transformer rows forwarded per step (equal work): tiny: ours 12, reference 12, "
