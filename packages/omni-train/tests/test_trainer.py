@@ -109,24 +109,25 @@ def test_same_seed_same_metrics_other_seed_differs(train_dict, tmp_path: Path) -
     assert _det(a) != _det(c)
 
 
-def test_resume_equals_uninterrupted(train_dict, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "alg",
+    [
+        {"num_minibatches": 2, "clip_range": 0.2},
+        # the update back-propagates through the rollout: resumed, it repeats too
+        {"reuse_rollout_forward": True, "clip_range": 0.2},
+    ],
+    ids=["two-minibatches", "reuse-rollout-forward"],
+)
+def test_resume_equals_uninterrupted(train_dict, tmp_path: Path, monkeypatch, alg) -> None:
     common = {"steps": 4, "save_every": 2, "sample_every": 0}
     full = train(
         recipe_from_dict(
-            train_dict(
-                trainer={**common, "output_dir": str(tmp_path / "full")},
-                algorithm={"num_minibatches": 2, "clip_range": 0.2},
-            )
+            train_dict(trainer={**common, "output_dir": str(tmp_path / "full")}, algorithm=alg)
         )
     )
 
     run = tmp_path / "killed"
-    recipe = recipe_from_dict(
-        train_dict(
-            trainer={**common, "output_dir": str(run)},
-            algorithm={"num_minibatches": 2, "clip_range": 0.2},
-        )
-    )
+    recipe = recipe_from_dict(train_dict(trainer={**common, "output_dir": str(run)}, algorithm=alg))
     orig = DiffusionLoop.train_step
 
     def dying(self, step, rollout):
