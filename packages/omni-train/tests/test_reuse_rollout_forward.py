@@ -91,6 +91,11 @@ def test_backward_through_the_rollout_equals_the_replay(
         metrics = run_update(ctx, batch, plan)
         return {k: start[k] - p.detach() for k, p in params.items()}, metrics
 
+    (split,) = make_update_plans(n, num_minibatches=2, epochs=1, seed=0, step=0, items=steps)
+    sgd = torch.optim.SGD(list(params.values()), lr=1.0)
+    ctx = UpdateContext(adapter, sgd, list(params.values()), algorithm(name), settings)
+    with pytest.raises(ValueError, match=r"reuse_rollout_forward.*2 steps"):
+        run_update(ctx, batch, split)  # refused before any backward: the graph stays whole
     (plan,) = update_plans(recipe, batch, 0, world_size=1)
     assert len(plan.steps) == 1 and len(plan.steps[0].chunks) == 1 and plan.steps[0].pack == 3
     through_rollout, metrics = gradients(batch, plan)

@@ -179,6 +179,13 @@ def sde_replay_update(
             "reference or a correction), so it cannot train on the rollout's own graph "
             "(algorithm.reuse_rollout_forward)"
         )
+    if from_rollout and (len(plan.steps) != 1 or len(plan.steps[0].chunks) != 1):
+        # a second backward would walk a graph the first one freed, on weights it changed
+        raise ValueError(
+            "the rollout's own graph trains one optimizer step of one micro-batch "
+            f"(algorithm.reuse_rollout_forward); the plan has {len(plan.steps)} steps and "
+            f"{len(plan.steps[0].chunks)} micro-batches in the first (use update_plans)"
+        )
 
     # 1. one no-grad pass on the rollout-time weights (before any optimizer step)
     old_mean = prox = std = sqrt_dt = None
