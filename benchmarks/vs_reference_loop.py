@@ -703,8 +703,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kl-metric",
         action="store_true",
-        help="keep our policy/kl_to_ref metric (two no-grad passes over one micro-batch after "
-        "each update; off by default: the reference computes no such metric)",
+        help="keep our policy/kl_to_ref metric (two no-grad passes over 4 rows x the window "
+        "steps after each update; off by default: the reference computes no such metric)",
     )
     ap.add_argument("--device", default="cpu", help="torch device of both sides (cpu, cuda)")
     ap.add_argument(

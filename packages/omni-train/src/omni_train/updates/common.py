@@ -30,12 +30,14 @@ from ..errors import NonFiniteError
 from .plan import OptimizerStepPlan, UpdatePlan
 
 __all__ = [
+    "KL_METRIC_ROWS",
     "Collective",
     "LocalCollective",
     "MeanMetrics",
     "UpdateContext",
     "UpdateSettings",
     "item_groups",
+    "kl_metric_rows",
     "optimizer_step",
     "run_optimizer_steps",
 ]
@@ -164,6 +166,18 @@ def optimizer_step(ctx: UpdateContext, bad_loss: float, where: str, metrics: Mea
 def item_groups(items: int, pack: int) -> list[list[int]]:
     """``range(items)`` in groups of ``pack`` (the items that share one forward)."""
     return [list(range(s, min(s + pack, items))) for s in range(0, items, pack)]
+
+
+#: rows `policy/kl_to_ref` is measured on after each update. A monitoring metric: on the
+#: whole first micro-batch its two no-grad passes cost as many transformer rows as the
+#: update's own forwards (docs/performance.md), so a few rows spread over it instead
+KL_METRIC_ROWS = 4
+
+
+def kl_metric_rows(rows: list[int]) -> list[int]:
+    """At most `KL_METRIC_ROWS` of ``rows``, evenly spread (so not all one prompt's samples)."""
+    stride = max(1, len(rows) // KL_METRIC_ROWS)
+    return rows[::stride][:KL_METRIC_ROWS]
 
 
 #: ``micro_loss(rows, items, step_index, dummy) -> (loss, metrics)``: the loss of a

@@ -42,7 +42,14 @@ import torch
 from torch import Tensor
 
 from .batches import ReplayBatch
-from .common import MeanMetrics, UpdateContext, item_groups, run_optimizer_steps
+from .common import (
+    KL_METRIC_ROWS,
+    MeanMetrics,
+    UpdateContext,
+    item_groups,
+    kl_metric_rows,
+    run_optimizer_steps,
+)
 from .plan import UpdatePlan
 
 __all__ = ["ReplayedStep", "replay_steps", "sde_replay_update", "sde_step_rows"]
@@ -280,9 +287,14 @@ def sde_replay_update(
     out = metrics.means()
     out.update(corr_metrics.means())
     if s.measure_kl_ref:  # where the updated policy stands: its KL to the LoRA-off reference
-        rows = plan.prepass[0]  # the same micro-batch count on every rank: collectives agree
+        first = plan.prepass[0]  # a micro-batch every rank has: collectives agree
+        rows = kl_metric_rows(first)
+        # as many window steps per forward as the prepass's forwards hold rows; from the
+        # largest rank's micro-batch, so every rank runs the same number of forwards
+        held = int(col.all_max([float(len(first))])[0])
+        pack = min(W, max(plan.prepass_pack, held * plan.prepass_pack // KL_METRIC_ROWS))
         kl_sum = 0.0
-        for js in item_groups(W, plan.prepass_pack):
+        for js in item_groups(W, pack):
             now = replay_steps(ctx.adapter, batch, rows, js, grad=False)
             ref = replay_steps(ctx.adapter, batch, rows, js, grad=False, reference=True)
             for a_, b_ in zip(now, ref):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .batches import TokenBatch
-from .common import UpdateContext, run_optimizer_steps
+from .common import UpdateContext, kl_metric_rows, run_optimizer_steps
 from .plan import UpdatePlan
 
 __all__ = ["token_update"]
@@ -82,7 +82,7 @@ def token_update(ctx: UpdateContext, batch: TokenBatch, plan: UpdatePlan) -> dic
 
     out = run_optimizer_steps(ctx, plan, items=1, micro_loss=micro_loss, units=units).means()
     if s.measure_kl_ref:  # where the updated policy stands: its k3 KL to the LoRA-off model
-        rows = plan.prepass[0]
+        rows = kl_metric_rows(plan.prepass[0])
         with torch.no_grad():
             lp, m = replay(rows)
         ref, _ = replay(rows, reference=True)
