@@ -161,3 +161,56 @@ def test_the_schema_refuses_what_it_cannot_reuse(train_dict, change, words):
         recipe_from_dict(d)
     msg = str(err.value)
     assert "algorithm.reuse_rollout_forward" in msg and words in msg, msg
+
+
+def test_the_rollouts_graph_is_checked_against_the_free_memory(
+    train_dict, tmp_path: Path, monkeypatch
+):
+    """The activations the rollout keeps until the update (samples x trained steps) are
+    estimated at its first forward with autograd and refused, naming the key, when they
+    exceed the budget; the estimate is of the order of what autograd saves."""
+    from omni_train.errors import TrainError
+    from omni_train.train import train
+    from omni_train.updates import reuse_memory
+
+    d = train_dict(
+        algorithm={"name": "flow_grpo", "reuse_rollout_forward": True},
+        trainer={"steps": 2, "sample_every": 0},
+    )
+    d["rollout"].update({"num_steps": 5, "sde_window_size": 3, "sde_window_range": [0, 4]})
+    recipe = recipe_from_dict(d)
+    loop = local_loop(recipe, tmp_path / "run")
+    check = loop.learner.reuse_memory
+    assert check is not None and check.needed_bytes is None
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and not isinstance(t, torch.nn.Parameter):
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trajs = loop.ports.rollout.generate_many(loop.requests_for(0), differentiable=True)
+    assert trajs[0].log_probs.requires_grad
+    assert check.needed_bytes is not None  # checked at the first forward with autograd
+    # (the tiny SD3: 4.78 MiB estimated, 4.94 MiB saved)
+    assert sum(saved) / 2 < check.needed_bytes < 2 * sum(saved)
+    loop.ports.close()
+
+    needed = check.needed_bytes
+    monkeypatch.setattr(reuse_memory, "free_memory_bytes", lambda _device: needed)  # budget: half
+    with pytest.raises(TrainError, match=r"reuse_rollout_forward: the rollout would keep the "
+                       r"activations of 8 samples x 3 trained steps"):  # fmt: skip
+        train(
+            recipe_from_dict({**d, "trainer": {**d["trainer"], "output_dir": str(tmp_path / "b")}})
+        )
+    log = tmp_path / "b" / "metrics.jsonl"  # stopped in the first rollout: no step trained
+    assert not log.exists() or all(
+        json.loads(x).get("step", 0) == 0 for x in log.read_text().splitlines()
+    )
+    assert not (tmp_path / "b" / "checkpoint").exists()
+    monkeypatch.setattr(reuse_memory, "free_memory_bytes", lambda _device: 2.5 * needed)
+    rows = train(
+        recipe_from_dict({**d, "trainer": {**d["trainer"], "output_dir": str(tmp_path / "c")}})
+    )
+    assert [r["step"] for r in rows] == [1, 2]

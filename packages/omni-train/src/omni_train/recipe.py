@@ -360,7 +360,10 @@ class AlgorithmConfig(_Section):
         "of recomputing them, the same gradient with one forward per trained step fewer "
         "(`omni_train.updates.replay`). The rollout then runs on the learner's unmerged "
         "weights, with autograd for its trained steps, and keeps their activations until the "
-        "update: the memory of a replay of the whole batch in one micro-batch. It needs one "
+        "update: the memory of a replay of the whole batch in one micro-batch, checked at the "
+        "rollout's first forward with autograd (a run whose activations would exceed half the "
+        "free memory, 0.6 on CUDA, stops there with an error; `omni_train.updates.reuse_memory`). "
+        "It needs one "
         "optimizer step on the rollout's own weights: num_minibatches 1, epochs 1, kl_beta 0, "
         "rollout_correction off, rows_per_forward null; trainer.backend local, trainer.mode "
         "sync, rollout.backend embedded.",

@@ -33,6 +33,7 @@ from ..updates import (
     UpdateContext,
     UpdateSettings,
     batch_rows,
+    reuse_memory_check,
     rows_budget,
     run_update,
     select_rows,
@@ -62,6 +63,9 @@ class LocalLearner:
         )
         self.rows_budget = rows_budget(recipe, adapter)
         self.rows_fit: int | None = None  # measured after the first update (auto)
+        # reuse_rollout_forward: the rollout's graph of the whole batch, checked against the
+        # free memory at its first forward with autograd (the engine runs on this adapter)
+        self.reuse_memory = reuse_memory_check(recipe, adapter)
 
     def update(self, batch: Any, step: int, correction: str | None = None) -> dict[str, float]:
         lr = apply_learning_rate(self.optimizer, self.recipe, step)
@@ -109,6 +113,8 @@ class LocalLearner:
     def close(self) -> None:
         if self.rows_budget is not None:
             self.rows_budget.close()
+        if self.reuse_memory is not None:
+            self.reuse_memory.close()
 
 
 class ThinkerRollout:

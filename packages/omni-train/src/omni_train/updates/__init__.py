@@ -36,6 +36,7 @@ from .common import (
 from .forward_process import diffusion_dpo_update, diffusion_nft_update
 from .plan import OptimizerStepPlan, UpdatePlan, make_update_plans, minibatch_orders
 from .replay import replay_steps, sde_replay_update
+from .reuse_memory import ReuseMemoryCheck, reuse_memory_check
 from .token import token_update
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "OptimizerStepPlan",
     "PairBatch",
     "ReplayBatch",
+    "ReuseMemoryCheck",
     "RowsBudget",
     "SampleBatch",
     "TokenBatch",
@@ -63,6 +65,7 @@ __all__ = [
     "pair_batch",
     "replay_batch",
     "replay_steps",
+    "reuse_memory_check",
     "rows_budget",
     "run_optimizer_steps",
     "run_update",

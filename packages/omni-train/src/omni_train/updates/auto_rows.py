@@ -49,6 +49,7 @@ __all__ = [
     "RowsBudget",
     "free_memory_bytes",
     "guidance_branches",
+    "memory_budget_bytes",
     "rows_budget",
     "rows_within",
 ]
@@ -144,14 +145,18 @@ class RowsBudget:
             return None
         if free_bytes is None:
             free_bytes = free_memory_bytes(self.device)
-        if self.device.type == "cuda":
-            budget = CUDA_SHARE * free_bytes
-        else:
-            budget = min(CPU_SHARE * free_bytes, CPU_FORWARD_BYTES)
+        budget = memory_budget_bytes(self.device, free_bytes)
+        if self.device.type != "cuda":
+            budget = min(budget, CPU_FORWARD_BYTES)
         return rows_within(budget, per_row)
 
     def close(self) -> None:
         self._handle.remove()
+
+
+def memory_budget_bytes(device: torch.device, free_bytes: float) -> float:
+    """The share of ``free_bytes`` activations may take on ``device`` (module docstring)."""
+    return (CUDA_SHARE if device.type == "cuda" else CPU_SHARE) * free_bytes
 
 
 def rows_within(budget_bytes: float, bytes_per_row: float) -> int:
