@@ -16,6 +16,7 @@ from omni_train.train import train
 from omni_train.updates import update_plans
 from omni_train.updates.auto_rows import (
     CPU_FORWARD_BYTES,
+    CPU_FORWARD_ROWS,
     CPU_SHARE,
     RowsBudget,
     free_memory_bytes,
@@ -61,9 +62,16 @@ def test_budget_measures_a_training_forward_and_plans_the_next_update(train_dict
     per_row = activation_bytes(1, budget.token_width, budget.layers, element_bytes=4)
     assert budget.rows_fit(free_bytes=10 * per_row / CPU_SHARE) == 8  # a power of two
     assert budget.rows_fit(free_bytes=16 * per_row / CPU_SHARE) == 16
-    # plenty of memory: a CPU forward stops at CPU_FORWARD_BYTES of activations
+    # plenty of memory: a CPU forward stops at CPU_FORWARD_BYTES of activations and at
+    # CPU_FORWARD_ROWS rows
     cap = 1 << (math.floor(CPU_FORWARD_BYTES / per_row).bit_length() - 1)
-    assert budget.rows_fit(free_bytes=1e15) == cap
+    assert budget.rows_fit(free_bytes=1e15) == min(cap, CPU_FORWARD_ROWS)
+    budget.element_bytes = 4096  # (a model whose rows take 1000x the bytes: the bytes cap)
+    big = activation_bytes(1, budget.token_width, budget.layers, element_bytes=4096)
+    assert budget.rows_fit(free_bytes=1e15) == 1 << (
+        math.floor(CPU_FORWARD_BYTES / big).bit_length() - 1
+    )
+    budget.element_bytes = 4
     assert budget.rows_fit(free_bytes=0.0) == 1  # never below one row
     assert metrics["perf/rows_fit"] == learner.rows_fit >= n * items  # a CPU holds them all
 

@@ -320,7 +320,8 @@ class AlgorithmConfig(_Section):
         "several SDE window steps (or noise draws) of a micro-batch replay in one forward, "
         "each row at its own timestep; of the splits with at most this many rows per forward "
         "the one with the fewest forwards runs. null = `rollout.max_num_seqs`; `auto` = as "
-        "many as the free memory holds, measured after the first update "
+        "many as the free memory holds (on a CPU at most 1 GiB of activations and 128 rows), "
+        "measured after the first update "
         "(`omni_train.updates.auto_rows`; local and ray backends; not bit-for-bit "
         "repeatable, as `trainer.threads: auto`).",
     )

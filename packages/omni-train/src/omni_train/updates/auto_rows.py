@@ -21,6 +21,11 @@ rows per forward, 4.8 MiB a row). Then
 
     rows_per_forward = 2^floor(log2(max(1, floor(budget / (A g)))))
 
+and on the CPU at most ``CPU_FORWARD_ROWS``: past about a hundred rows a forward's activation
+tensors outgrow glibc's largest heap block (32 MiB), so every one of them is fresh pages
+from the kernel on every forward (a 336-row forward + backward of the 4-block width-128 model
+took 54,000 page faults and 0.71 s, 0 faults and 0.66 s at 112 rows; docs/performance.md).
+
 with ``g`` = 2 forward rows per sample under classifier-free guidance (both branches), else 1
 (a plan's row is a sample), and `omni_train.updates.plan` packs as many window steps (or
 noise draws) per forward as that allows: for the small models that train on a CPU a
@@ -44,6 +49,7 @@ import torch
 
 __all__ = [
     "CPU_FORWARD_BYTES",
+    "CPU_FORWARD_ROWS",
     "CPU_SHARE",
     "CUDA_SHARE",
     "RowsBudget",
@@ -60,6 +66,8 @@ CUDA_SHARE = 0.6
 CPU_SHARE = 0.5
 #: the most activation bytes one forward takes on a CPU (module docstring)
 CPU_FORWARD_BYTES = 2**30
+#: the most rows one forward takes on a CPU (module docstring)
+CPU_FORWARD_ROWS = 128
 
 
 def free_memory_bytes(device: torch.device) -> float:
@@ -146,9 +154,9 @@ class RowsBudget:
         if free_bytes is None:
             free_bytes = free_memory_bytes(self.device)
         budget = memory_budget_bytes(self.device, free_bytes)
-        if self.device.type != "cuda":
-            budget = min(budget, CPU_FORWARD_BYTES)
-        return rows_within(budget, per_row)
+        if self.device.type == "cuda":
+            return rows_within(budget, per_row)
+        return min(rows_within(min(budget, CPU_FORWARD_BYTES), per_row), CPU_FORWARD_ROWS)
 
     def close(self) -> None:
         self._handle.remove()
