@@ -25,8 +25,6 @@ from .auto_rows import RowsBudget, free_memory_bytes, guidance_branches, memory_
 
 __all__ = ["ReuseMemoryCheck", "reuse_memory_check"]
 
-GIB = float(2**30)
-
 
 class ReuseMemoryCheck:
     """Watches ``adapter``'s first transformer block; at its first forward with autograd,
@@ -61,6 +59,8 @@ class ReuseMemoryCheck:
         free = free_memory_bytes(device)
         budget = memory_budget_bytes(device, free)
         if self.needed_bytes > budget:
+            from omni_adapters.memory import GIB  # as auto_rows: imported where it is used
+
             raise TrainError(
                 f"algorithm.reuse_rollout_forward: the rollout would keep the activations of "
                 f"{self.samples} samples x {self.steps} trained steps until the update, about "
