@@ -116,3 +116,44 @@ def test_differentiable_and_plain_requests_never_share_a_wave(toy, make_requests
     assert all(t.log_probs.requires_grad for t in trajs)
     assert not any(t.log_probs.requires_grad for t in done)
     assert {rows for rows, _ in seen} == {3}  # two waves of 3, never one of 6
+
+
+def test_grad_denoiser_runs_only_the_autograd_forwards(toy, make_requests):
+    """A trainer's merged rollout copy (``denoiser``) beside its unmerged policy
+    (``grad_denoiser``): the forwards with autograd run on the policy, every other forward on
+    the copy, and the trajectories and the gradient are those of one denoiser doing both."""
+    params = SamplingParams(
+        height=32,
+        width=32,
+        num_steps=5,
+        noise_level=0.8,
+        sde_window_size=2,
+        sde_window_range=(0, 4),
+        output="latent",
+    )
+    reqs = make_requests(6, params)
+    policy = type(toy)()
+    policy.load_state_dict(toy.state_dict())  # the same weights in another module
+    alone = EmbeddedEngine(policy, max_num_seqs=6).generate_many(reqs, differentiable=True)
+    weights = torch.randn(len(alone), 2, generator=torch.Generator().manual_seed(5))
+    policy.zero_grad(set_to_none=True)
+    sum((weights[b] * t.log_probs).sum() for b, t in enumerate(alone)).backward()
+    expected = {k: p.grad.clone() for k, p in policy.named_parameters() if p.grad is not None}
+
+    policy.zero_grad(set_to_none=True)
+    on_copy, on_policy = grad_mode_of_forwards(toy), grad_mode_of_forwards(policy)
+    engine = EmbeddedEngine(toy, max_num_seqs=6, grad_denoiser=policy)
+    trajs = engine.generate_many(reqs, differentiable=True)
+    engine.close()
+    assert on_policy and all(grad for _, grad in on_policy)
+    assert on_copy and not any(grad for _, grad in on_copy)
+    # 5 steps: the policy runs the rows inside their window, the copy all the others
+    assert sum(rows for rows, _ in on_policy) == 6 * 2
+    assert sum(rows for rows, _ in on_copy) == 6 * 5 - 6 * 2
+    for a, b in zip(alone, trajs):
+        assert torch.equal(b.latents, a.latents) and torch.equal(b.final_latent, a.final_latent)
+        assert torch.equal(b.log_probs.detach(), a.log_probs.detach())
+    sum((weights[b] * t.log_probs).sum() for b, t in enumerate(trajs)).backward()
+    got = {k: p.grad for k, p in policy.named_parameters() if p.grad is not None}
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in got)
+    assert all(p.grad is None for p in toy.parameters())  # nothing reached the copy

@@ -105,6 +105,11 @@ class EmbeddedEngine:
         max_wave_pixels: the most pixels (height x width x frames, summed over rows) one
             wave may hold; a wave of large requests gets fewer rows (at least one). None: no
             bound beyond ``max_num_seqs``.
+        threads: the torch threads of the scheduler thread (default: the creator's count).
+        grad_denoiser: for ``generate_many(differentiable=True)``: the denoiser the forwards
+            with autograd run on (`diffusion_rollout.wave`), e.g. a trainer's unmerged LoRA
+            policy while ``denoiser`` is its merged copy; default ``denoiser``. Weight updates
+            load into ``denoiser`` only: the caller keeps the two in step.
 
     Example:
         >>> engine = EmbeddedEngine(denoiser, max_num_seqs=16)
@@ -121,6 +126,7 @@ class EmbeddedEngine:
         version_timeout_s: float = 60.0,
         max_wave_pixels: int | None = None,
         threads: int | None = None,
+        grad_denoiser: Denoiser | None = None,
     ) -> None:
         if threads is not None and (
             isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
@@ -144,6 +150,8 @@ class EmbeddedEngine:
             if not callable(getattr(denoiser, name, None)):
                 raise TypeError(f"denoiser has no method {name!r} (see diffusion_rollout.Denoiser)")
         self.denoiser = denoiser
+        # generate_many(differentiable=True): the denoiser its autograd forwards run on
+        self.grad_denoiser = grad_denoiser
         self.max_num_seqs = max_num_seqs
         self.max_wait_s = float(max_wait_ms) / 1000.0
         self.version_timeout_s = float(version_timeout_s)
@@ -523,6 +531,7 @@ class EmbeddedEngine:
                         t_submit=[e.t_submit for e in ok],
                         cancelled=lambda i: ok[i].stop,
                         differentiable=ok[0].differentiable,
+                        grad_denoiser=self.grad_denoiser,
                     )
             except BaseException as exc:  # the wave fails, the engine keeps serving
                 with self._cond:

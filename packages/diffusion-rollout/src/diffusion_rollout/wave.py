@@ -35,7 +35,10 @@ detached velocity, and the log-prob is then computed for that fixed sample, as t
 computes it (``sde.step(..., prev_sample=...)``): so ``Trajectory.log_probs`` is
 differentiable in the denoiser's trainable weights through each step's own velocity only
 (every step's input is detached), with the values of the no-grad rollout. Every other
-forward (ODE steps, the tail, the encoders) runs without autograd.
+forward (ODE steps, the tail, the encoders) runs without autograd. ``grad_denoiser`` (a
+second denoiser with the same weights, e.g. the trainer's unmerged LoRA policy while
+``denoiser`` is its merged rollout copy) runs the forwards with autograd, so the gradient
+reaches the trainer's own parameters while every other forward keeps the merged weights' cost.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ def denoise_wave(
     t_submit: Sequence[float] | None = None,
     cancelled: Callable[[int], bool] | None = None,
     differentiable: bool = False,
+    grad_denoiser: Denoiser | None = None,
 ) -> tuple[list[Trajectory | None], int, float]:
     """Denoise one wave of compatible requests; every forward sees all rows.
 
@@ -137,11 +141,20 @@ def denoise_wave(
 
     ``differentiable``: keep the autograd graph of the SDE steps' log-probs (module
     docstring); autograd is switched on here for them, whatever the caller's grad mode.
+    ``grad_denoiser``: the denoiser those autograd forwards run on (default ``denoiser``;
+    module docstring).
     """
     if differentiable:
         with torch.enable_grad():
             return _denoise(
-                denoiser, requests, version, t_start, t_submit, cancelled, differentiable=True
+                denoiser,
+                requests,
+                version,
+                t_start,
+                t_submit,
+                cancelled,
+                differentiable=True,
+                grad_den=grad_denoiser or denoiser,
             )
     return _denoise(denoiser, requests, version, t_start, t_submit, cancelled)
 
@@ -154,6 +167,7 @@ def _denoise(
     t_submit: Sequence[float] | None,
     cancelled: Callable[[int], bool] | None,
     differentiable: bool = False,
+    grad_den: Denoiser | None = None,
 ) -> tuple[list[Trajectory | None], int, float]:
     # without autograd unless `differentiable` asks for it at an SDE step
     no_grad = torch.no_grad if differentiable else contextlib.nullcontext
@@ -279,7 +293,7 @@ def _denoise(
         sig, sig_n = sig_all[i], sig_all[i + 1]
         graph_rows = _graph_rows(plan[i]) if differentiable else []
         if graph_rows:
-            v = _velocity_with_graph(den, x, sig, cond, params, graph_rows)
+            v = _velocity_with_graph(den, grad_den or den, x, sig, cond, params, graph_rows)
         else:
             with no_grad():
                 v = den.velocity(x, sig.expand(batch).contiguous(), cond, params)
@@ -385,27 +399,29 @@ def _graph_rows(segments: list[tuple[int, int, str | None, float]]) -> list[int]
 
 def _velocity_with_graph(
     den: Denoiser,
+    grad_den: Denoiser,
     x: Tensor,
     sigma: Tensor,
     cond: dict[str, Tensor],
     params: Any,
     rows: list[int],
 ) -> Tensor:
-    """The velocity of all rows, with autograd for ``rows`` only (float32, row order)."""
+    """The velocity of all rows, with autograd (on ``grad_den``) for ``rows`` only, the
+    others on ``den`` (float32, row order)."""
     batch = x.shape[0]
     if len(rows) == batch:
-        return den.velocity(x, sigma.expand(batch).contiguous(), cond, params).float()
+        return grad_den.velocity(x, sigma.expand(batch).contiguous(), cond, params).float()
     graph = torch.as_tensor(rows, device=x.device)
     rest = torch.as_tensor(sorted(set(range(batch)) - set(rows)), device=x.device)
 
-    def forward(idx: Tensor) -> Tensor:
+    def forward(model: Denoiser, idx: Tensor) -> Tensor:
         sub = {key: t.index_select(0, idx.to(t.device)) for key, t in cond.items()}
         sig = sigma.expand(len(idx)).contiguous()
-        return den.velocity(x.index_select(0, idx), sig, sub, params).float()
+        return model.velocity(x.index_select(0, idx), sig, sub, params).float()
 
-    v_graph = forward(graph)
+    v_graph = forward(grad_den, graph)
     with torch.no_grad():
-        v_rest = forward(rest)
+        v_rest = forward(den, rest)
     inverse = torch.argsort(torch.cat([graph, rest]))
     return torch.cat([v_graph, v_rest]).index_select(0, inverse)
 
