@@ -24,9 +24,11 @@ stay equal (printed).
 ``--sides ours,reference,ours-thread`` adds ours with the waves in the engine's scheduler
 thread, as the engine ran them before (the thread penalty, docs/performance.md).
 ``--sides ours,reference,ours-reuse`` adds ours with ``algorithm.reuse_rollout_forward``: the
-rollout keeps the autograd graph of its trained steps (on the learner's unmerged weights) and
-the update back-propagates through it instead of replaying those forwards; the same samples,
-timesteps and gradient, with one forward per trained step fewer (the rows line shows it).
+rollout keeps the autograd graph of its trained steps (on the learner's unmerged weights; its
+other forwards on the merged copy) and the update back-propagates through it instead of
+replaying those forwards; the same samples, timesteps and gradient, with one forward per
+trained step fewer (the rows line shows it). It is what a recipe with the defaults runs (the
+key's `auto`, and `rows_per_forward` null); ``ours`` is the replay.
 ``--sides ours,ours-base`` adds ours without the LoRA (``lora.enabled: false``, so the update
 trains every weight): its rollout forwards the base model, and the rollout ratio
 ours-base / ours tells what the LoRA costs our rollout (merged into the rollout copy's
@@ -315,7 +317,13 @@ def run_ours(a: argparse.Namespace) -> list[dict[str, float]]:
             # ours-reuse: the update back-propagates through the rollout's own forwards
             "algorithm": {"name": "flow_grpo", "clip_range": CLIP, "reuse_rollout_forward": True}
             if a.child == "ours-reuse"
-            else {"name": "flow_grpo", "clip_range": CLIP, "rows_per_forward": _replay_rows(a)},
+            # ours: the packed replay (a recipe's default, `auto`, reuses when it can)
+            else {
+                "name": "flow_grpo",
+                "clip_range": CLIP,
+                "rows_per_forward": _replay_rows(a),
+                "reuse_rollout_forward": False,
+            },
             # ours-base: the base model's rollout (the update then trains every weight)
             "lora": {"enabled": False}
             if a.child == "ours-base"

@@ -54,7 +54,9 @@ def test_backward_through_the_rollout_equals_the_replay(
     recipe = recipe_from_dict(d)
     loop = local_loop(recipe, tmp_path / "run")
     adapter, params = loop.learner.adapter, loop.learner.params_named
-    assert loop.ports.rollout.denoiser is adapter  # the learner's own, unmerged weights
+    engine = loop.ports.rollout
+    assert engine.grad_denoiser is adapter  # autograd on the learner's own, unmerged weights
+    assert (engine.denoiser is not adapter) == lora  # the rest on the merged copy (LoRA)
     reqs = loop.requests_for(0)
     trajs = loop.ports.rollout.generate_many(reqs, differentiable=True)
     plain = loop.ports.rollout.generate_many(reqs)
@@ -214,3 +216,48 @@ def test_the_rollouts_graph_is_checked_against_the_free_memory(
         recipe_from_dict({**d, "trainer": {**d["trainer"], "output_dir": str(tmp_path / "c")}})
     )
     assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_auto_reuses_what_true_admits_and_replays_the_rest(train_dict):
+    """`auto` (the default) is `true` on a recipe that `true` admits and `false` on one it
+    refuses, where it refuses nothing."""
+    assert recipe_from_dict(train_dict()).algorithm.reuse_rollout_forward == "auto"
+    assert recipe_from_dict(train_dict(algorithm={"name": "flow_grpo"})).reuses_rollout_forward()
+    for change in (
+        {"name": "flow_dppo"},
+        {"name": "diffusion_nft"},
+        {"name": "flow_grpo", "num_minibatches": 2},
+        {"name": "flow_grpo", "kl_beta": 0.01},
+        {"name": "flow_grpo", "reuse_rollout_forward": False},
+    ):
+        assert not recipe_from_dict(train_dict(algorithm=change)).reuses_rollout_forward()
+    d = train_dict(algorithm={"name": "flow_grpo"}, trainer={"mode": "async"})
+    assert not recipe_from_dict(d).reuses_rollout_forward()
+
+
+def test_auto_falls_back_to_the_replay_when_the_graph_does_not_fit(
+    train_dict, tmp_path: Path, monkeypatch, capsys
+):
+    """With `auto`, a batch whose graph would exceed the budget rolls out again without it
+    and the run replays from then on: the same run, bit for bit, as `false`."""
+    from omni_train.train import train
+    from omni_train.updates import reuse_memory
+
+    monkeypatch.setattr(reuse_memory, "free_memory_bytes", lambda _device: 1.0)
+
+    def run(choice, name: str) -> list[dict]:
+        d = train_dict(
+            algorithm={"name": "flow_grpo", "reuse_rollout_forward": choice},
+            trainer={"steps": 2, "sample_every": 0, "output_dir": str(tmp_path / name)},
+        )
+        return train(recipe_from_dict(d))
+
+    auto = run("auto", "auto")
+    said = capsys.readouterr()
+    assert "auto: the update replays the trained steps from now on" in said.out + said.err
+    replay = run(False, "replay")
+    assert [r["step"] for r in auto] == [1, 2]
+    for a, b in zip(auto, replay):
+        assert a["actor/grad_norm"] == b["actor/grad_norm"] and a["loss"] == b["loss"]
+    lora = "checkpoint/step_0002/lora/adapter_model.safetensors"
+    assert (tmp_path / "auto" / lora).read_bytes() == (tmp_path / "replay" / lora).read_bytes()

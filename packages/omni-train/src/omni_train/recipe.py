@@ -354,20 +354,22 @@ class AlgorithmConfig(_Section):
         "official trainer re-noises at the sampler's timesteps.",
     )
 
-    reuse_rollout_forward: bool = Field(
-        False,
+    reuse_rollout_forward: bool | Literal["auto"] = Field(
+        "auto",
         description="SDE replay algorithms (flow_grpo, dance_grpo, mix_grpo): the update "
         "back-propagates through the rollout's own forwards of the trained SDE steps instead "
         "of recomputing them, the same gradient with one forward per trained step fewer "
-        "(`omni_train.updates.replay`). The rollout then runs on the learner's unmerged "
-        "weights, with autograd for its trained steps, and keeps their activations until the "
-        "update: the memory of a replay of the whole batch in one micro-batch, checked at the "
-        "rollout's first forward with autograd (a run whose activations would exceed half the "
-        "free memory, 0.6 on CUDA, stops there with an error; `omni_train.updates.reuse_memory`). "
-        "It needs one "
-        "optimizer step on the rollout's own weights: num_minibatches 1, epochs 1, kl_beta 0, "
+        "(`omni_train.updates.replay`). Those forwards then run on the learner's unmerged "
+        "weights with autograd (the other rollout forwards stay on the merged copy) and keep "
+        "their activations until the update: the memory of a replay of the whole batch in one "
+        "micro-batch, checked at the rollout's first forward with autograd against half the "
+        "free memory (0.6 on CUDA; `omni_train.updates.reuse_memory`). It needs one optimizer "
+        "step on the rollout's own weights: num_minibatches 1, epochs 1, kl_beta 0, "
         "rollout_correction off, rows_per_forward null; trainer.backend local, trainer.mode "
-        "sync, rollout.backend embedded.",
+        "sync, rollout.backend embedded. `true`: a recipe that does not meet these is refused "
+        "and a batch that does not fit stops the run; `auto`: on when the recipe meets them, "
+        "and a batch that does not fit falls back to the replay for the rest of the run "
+        "(logged); `false`: always replay.",
     )
 
     pairs_per_group: int = Field(
@@ -542,6 +544,15 @@ class Recipe(_Section):
         omni algorithm (gspo, grpo); it runs `omni_train.loops.OmniLoop`."""
         row = ALGORITHMS.get(self.algorithm.name)
         return self.model.tiny in OMNI_FAMILIES or (row is not None and row.model == "omni")
+
+    def reuses_rollout_forward(self) -> bool:
+        """Whether the update back-propagates through the rollout's forwards: `true`, or
+        `auto` on a recipe that `true` would admit (`algorithm.reuse_rollout_forward`)."""
+        choice = self.algorithm.reuse_rollout_forward
+        if choice != "auto":
+            return bool(choice)
+        row = ALGORITHMS.get(self.algorithm.name)
+        return row is not None and not self._reuse_rollout_forward_problems(row)
 
     def output_dir(self) -> Path:
         """The run folder: `trainer.output_dir` or `runs/<experiment>`."""
@@ -724,7 +735,7 @@ class Recipe(_Section):
                 "verl sizes its own micro-batches (its actor.use_dynamic_bsz, through "
                 "trainer.verl)"
             )
-        if a.reuse_rollout_forward:
+        if a.reuse_rollout_forward is True:
             out.extend(self._reuse_rollout_forward_problems(row))
         if t.backend == "verl" and self.rollout.allowed_tokens:
             out.append(

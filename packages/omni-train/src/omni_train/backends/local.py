@@ -5,10 +5,11 @@ With LoRA the rollout engine samples with a merged copy of the policy
 other tensor is the learner's own), so its forwards cost the base model's; each weight sync
 merges the new LoRA tensors into it, and the learner keeps its unmerged peft model. That also
 lets `trainer.mode: async` sample step k+1 while step k trains. In the synchronous loop with an
-EMA adapter (validation samples with it), in full fine-tuning, and with
-`algorithm.reuse_rollout_forward` (the update back-propagates through the rollout's own
-forwards) the engine samples with the learner's own module (a weight sync only bumps the
-version); in async full fine-tuning it gets a deep copy.
+EMA adapter (validation samples with it) and in full fine-tuning the engine samples with the
+learner's own module (a weight sync only bumps the version); in async full fine-tuning it gets a
+deep copy. With `algorithm.reuse_rollout_forward` (the update back-propagates through the
+rollout's own forwards) the engine runs the trained SDE steps' forwards on the learner's own
+module, with autograd, and every other forward on its rollout model.
 """
 
 from __future__ import annotations
@@ -204,9 +205,9 @@ def make_local_ports(recipe: Recipe) -> Ports:
 
     from diffusion_rollout import EmbeddedEngine
 
-    learner = LocalLearner(r, adapter)
     needs_images = bool(getattr(adapter, "needs_images", False))
     if r.rollout.backend != "embedded":  # a server or vllm-omni samples; the trainer trains
+        learner = LocalLearner(r, adapter)
         from ..models import ensure_model
         from .remote_rollout import make_remote_rollout
 
@@ -218,15 +219,23 @@ def make_local_ports(recipe: Recipe) -> Ports:
             needs_images=needs_images,
             closers=[remote.close],
         )
+    # The rollout's copy is made before the learner, whose memory watches (forward hooks on
+    # the adapter's first block) a deep copy would carry along.
     rollout_adapter = adapter
-    # reuse_rollout_forward: the update back-propagates through the rollout's own forwards
     merge = r.trainer.mode == "async" or r.optimizer.ema_decay == 0
-    if r.lora.enabled and merge and not r.algorithm.reuse_rollout_forward:
+    if r.lora.enabled and merge:
         rollout_adapter = adapter.merged_rollout_copy()
     elif r.trainer.mode == "async":  # the rollout of step k+1 overlaps the update of step k
         rollout_adapter = copy.deepcopy(adapter)
         rollout_adapter.set_trainable("frozen")
-    engine = EmbeddedEngine(rollout_adapter, max_num_seqs=r.rollout.max_num_seqs)
+    learner = LocalLearner(r, adapter)
+    # reuse_rollout_forward: the trained steps' forwards run on the learner's own (unmerged)
+    # weights with autograd, so the update back-propagates through them; the rest stay merged
+    engine = EmbeddedEngine(
+        rollout_adapter,
+        max_num_seqs=r.rollout.max_num_seqs,
+        grad_denoiser=adapter if r.reuses_rollout_forward() else None,
+    )
     return Ports(
         learner,
         engine,

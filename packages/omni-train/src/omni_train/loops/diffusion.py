@@ -244,6 +244,12 @@ class DiffusionLoop:
                 details[k] = arr
         return scores, details, media
 
+    def reuse_does_not_fit(self, message: str) -> None:
+        """`algorithm.reuse_rollout_forward: auto` whose batch graph would not fit: said on the
+        console, and the run goes on replaying (`SyncRollout`)."""
+        first = message.split(". ")[0]
+        self.run.say(f"{first}; auto: the update replays the trained steps from now on")
+
     def save_bad_samples(
         self, trajs: list[Any], media: Any, step: int, scores: np.ndarray | None, what: str
     ) -> Path:
@@ -398,11 +404,14 @@ class DiffusionLoop:
                 next_step=start,
             )
         else:
+            reuse = r.reuses_rollout_forward()
+            auto = r.algorithm.reuse_rollout_forward == "auto"
             rollout = SyncRollout(
                 self.ports.rollout,
                 self.requests_for,
                 self.version,
-                differentiable=r.algorithm.reuse_rollout_forward,
+                differentiable=reuse,
+                on_does_not_fit=self.reuse_does_not_fit if reuse and auto else None,
             )
         rows: list[dict[str, Any]] = []
         self.run.start(start)

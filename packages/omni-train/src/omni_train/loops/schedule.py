@@ -76,7 +76,11 @@ class SyncRollout:
     rollout); the trajectories come back in request order either way.
 
     ``differentiable`` (`algorithm.reuse_rollout_forward`, the embedded engine): the
-    trajectories' log-probs keep the autograd graph of their SDE steps for the update."""
+    trajectories' log-probs keep the autograd graph of their SDE steps for the update.
+    ``on_does_not_fit(message)`` (its `auto` setting): when that graph would not fit the
+    memory (`omni_train.updates.reuse_memory.ReuseDoesNotFit`), the step rolls out again
+    without it, and so does every later step; the message goes to ``on_does_not_fit``.
+    Without it the error stops the run."""
 
     def __init__(
         self,
@@ -84,11 +88,13 @@ class SyncRollout:
         requests_for: Callable[[int], list[Any]],
         version: int = 0,
         differentiable: bool = False,
+        on_does_not_fit: Callable[[str], None] | None = None,
     ):
         self.port = port
         self.requests_for = requests_for
         self.version = version
         self.differentiable = differentiable
+        self.on_does_not_fit = on_does_not_fit
         self.stats: dict[str, float] = {}
 
     def collect(
@@ -100,8 +106,10 @@ class SyncRollout:
             return trajs
         # the embedded engine: its waves run in this thread, on_ready between them
         before = self.port.stats()
-        kw = {"differentiable": True} if self.differentiable else {}
-        trajs = self.port.generate_many(requests, on_ready=on_ready, **kw)
+        if self.differentiable:
+            trajs = self._differentiable(requests, on_ready)
+        else:
+            trajs = self.port.generate_many(requests, on_ready=on_ready)
         after = self.port.stats()
         forwards = after.get("forwards", 0) - before.get("forwards", 0)
         self.stats = {
@@ -110,6 +118,32 @@ class SyncRollout:
             / max(forwards, 1),
         }
         return trajs
+
+    def _differentiable(
+        self, requests: list[Any], on_ready: Callable[[list[int], list[Any]], None] | None
+    ) -> list[Any]:
+        from ..updates.reuse_memory import ReuseDoesNotFit
+
+        handed = 0  # waves already handed to on_ready (their rewards are under way)
+
+        def counted(indices: list[int], trajs: list[Any]) -> None:
+            nonlocal handed
+            handed += 1
+            on_ready(indices, trajs)  # type: ignore[misc]
+
+        try:
+            return self.port.generate_many(
+                requests, on_ready=counted if on_ready else None, differentiable=True
+            )
+        except ReuseDoesNotFit as exc:
+            # every wave stopped at its first trained step, before on_ready; a wave that
+            # finished anyway (no trained step) was scored already and cannot be taken back
+            if self.on_does_not_fit is None or handed:
+                raise
+            exc.check.close()
+            self.differentiable = False
+            self.on_does_not_fit(str(exc))
+        return self.port.generate_many(requests, on_ready=on_ready)
 
     def push_weights(self, tensors: Any, version: int) -> None:
         self.port.update_weights(tensors, version)

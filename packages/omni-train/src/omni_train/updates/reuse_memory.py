@@ -14,22 +14,41 @@ activation budget of `auto_rows.memory_budget_bytes` (a share of the free memory
 the run stops with a `TrainError` naming the key, instead of running the machine out of
 memory halfway through a rollout. The check runs once per process (the first step of a run,
 or of a resumed one).
+
+When ``needed`` exceeds the budget, every later forward with autograd on the watched model
+raises the same `ReuseDoesNotFit` until ``close()``: each wave of that rollout stops at its
+first trained step, so no wave's graph piles up after the first. With `true` the run stops
+there; with `auto` the loop (`omni_train.loops.schedule.SyncRollout`) closes the check and
+rolls the step out again without autograd, and the update replays the trained steps, for
+the rest of the run.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..errors import TrainError
 from .auto_rows import RowsBudget, free_memory_bytes, guidance_branches, memory_budget_bytes
 
-__all__ = ["ReuseMemoryCheck", "reuse_memory_check"]
+__all__ = ["ReuseDoesNotFit", "ReuseMemoryCheck", "reuse_memory_check"]
+
+
+class ReuseDoesNotFit(TrainError):
+    """The rollout's graph of a whole batch would exceed the activation budget; ``check``
+    is the `ReuseMemoryCheck` that refuses it (``check.close()`` stops the refusing)."""
+
+    def __init__(self, message: str, check: ReuseMemoryCheck) -> None:
+        super().__init__(message)
+        self.check = check
 
 
 class ReuseMemoryCheck:
     """Watches ``adapter``'s first transformer block; at its first forward with autograd,
     raises `TrainError` when ``samples`` x ``steps`` samples' activations exceed the budget
-    (module docstring). ``close()`` removes the hooks (also done after the check)."""
+    (module docstring). ``close()`` removes the hooks (also done after a check that
+    passes)."""
 
     def __init__(
         self,
@@ -46,22 +65,28 @@ class ReuseMemoryCheck:
         )
         self.samples, self.steps = samples, steps
         self.needed_bytes: float | None = None  # set by the check
+        self.refusal: str | None = None  # the error's message once the batch did not fit
         block = adapter.fsdp_wrap_modules()[0]
         self._handle = block.register_forward_pre_hook(self._check, with_kwargs=True)
 
     def _check(self, _module: Any, _args: tuple, _kwargs: dict) -> None:
+        if self.refusal is not None:
+            if torch.is_grad_enabled():
+                raise ReuseDoesNotFit(self.refusal, self)
+            return
         per_sample = self.watch.bytes_per_row()
         if per_sample is None:  # a no-grad forward: nothing is kept
             return
-        self.close()
         self.needed_bytes = per_sample * self.samples * self.steps
         device = self.watch.device
         free = free_memory_bytes(device)
         budget = memory_budget_bytes(device, free)
-        if self.needed_bytes > budget:
+        if self.needed_bytes <= budget:
+            self.close()
+        else:
             from omni_adapters.memory import GIB  # as auto_rows: imported where it is used
 
-            raise TrainError(
+            self.refusal = (
                 f"algorithm.reuse_rollout_forward: the rollout would keep the activations of "
                 f"{self.samples} samples x {self.steps} trained steps until the update, about "
                 f"{self.needed_bytes / GIB:.2f} GiB ({per_sample / 2**20:.2f} MiB a sample and "
@@ -70,6 +95,7 @@ class ReuseMemoryCheck:
                 f"the steps in micro-batches of algorithm.rows_per_forward), or lower "
                 f"data.prompts_per_step, rollout.n or rollout.sde_window_size"
             )
+            raise ReuseDoesNotFit(self.refusal, self)
 
     def close(self) -> None:
         self._handle.remove()
@@ -77,9 +103,9 @@ class ReuseMemoryCheck:
 
 
 def reuse_memory_check(recipe: Any, adapter: Any) -> ReuseMemoryCheck | None:
-    """A `ReuseMemoryCheck` on ``adapter`` when the recipe sets
-    `algorithm.reuse_rollout_forward`."""
-    if not recipe.algorithm.reuse_rollout_forward:
+    """A `ReuseMemoryCheck` on ``adapter`` when the update back-propagates through the
+    rollout (`Recipe.reuses_rollout_forward`)."""
+    if not recipe.reuses_rollout_forward():
         return None
     return ReuseMemoryCheck(
         adapter,
