@@ -13,6 +13,13 @@ import torch
 from diffusion_rollout import EmbeddedEngine, SamplingParams
 from omni_algos import sde
 
+# windows of 2 of 5 steps at per-row starts: at most steps only some rows are inside their
+# window, so those rows' forward runs with autograd and the rest without
+WINDOWS_OF_2_IN_5 = dict(
+    height=32, width=32, num_steps=5, noise_level=0.8, sde_window_size=2,
+    sde_window_range=(0, 4), output="latent",
+)  # fmt: skip
+
 
 def grad_mode_of_forwards(den) -> list[tuple[int, bool]]:
     """Record (rows, autograd on?) of every forward of ``den``."""
@@ -52,18 +59,7 @@ def replayed_gradient(den, trajs, weights) -> dict[str, torch.Tensor]:
 
 
 def test_differentiable_rollout_gives_the_replay_gradient(toy, make_requests):
-    # windows of 2 of 5 steps at per-row starts: at most steps only some rows are inside
-    # their window, so those rows' forward runs with autograd and the rest without
-    params = SamplingParams(
-        height=32,
-        width=32,
-        num_steps=5,
-        noise_level=0.8,
-        sde_window_size=2,
-        sde_window_range=(0, 4),
-        guidance_scale=2.0,
-        output="latent",
-    )
+    params = SamplingParams(**WINDOWS_OF_2_IN_5, guidance_scale=2.0)
     reqs = make_requests(6, params)
     engine = EmbeddedEngine(toy, max_num_seqs=6)
     plain = engine.generate_many(reqs)
@@ -122,15 +118,7 @@ def test_grad_denoiser_runs_only_the_autograd_forwards(toy, make_requests):
     """A trainer's merged rollout copy (``denoiser``) beside its unmerged policy
     (``grad_denoiser``): the forwards with autograd run on the policy, every other forward on
     the copy, and the trajectories and the gradient are those of one denoiser doing both."""
-    params = SamplingParams(
-        height=32,
-        width=32,
-        num_steps=5,
-        noise_level=0.8,
-        sde_window_size=2,
-        sde_window_range=(0, 4),
-        output="latent",
-    )
+    params = SamplingParams(**WINDOWS_OF_2_IN_5)
     reqs = make_requests(6, params)
     policy = type(toy)()
     policy.load_state_dict(toy.state_dict())  # the same weights in another module
