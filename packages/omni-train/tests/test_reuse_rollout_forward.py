@@ -133,6 +133,7 @@ def test_a_run_trains_through_its_rollout(train_dict, tmp_path: Path):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["rollout/logprob_diff_max"] == 0.0 and r["actor/grad_norm"] > 0
+        assert r["rollout/graph_kept"] == 1.0
     assert "val/reward_mean" in rows[-1]
     out = recipe.output_dir()
     logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -259,5 +260,6 @@ def test_auto_falls_back_to_the_replay_when_the_graph_does_not_fit(
     assert [r["step"] for r in auto] == [1, 2]
     for a, b in zip(auto, replay):
         assert a["actor/grad_norm"] == b["actor/grad_norm"] and a["loss"] == b["loss"]
+        assert a["rollout/graph_kept"] == 0.0 and "rollout/graph_kept" not in b
     lora = "checkpoint/step_0002/lora/adapter_model.safetensors"
     assert (tmp_path / "auto" / lora).read_bytes() == (tmp_path / "replay" / lora).read_bytes()

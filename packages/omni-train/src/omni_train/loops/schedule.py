@@ -94,6 +94,7 @@ class SyncRollout:
         self.requests_for = requests_for
         self.version = version
         self.differentiable = differentiable
+        self.reuse_chosen = differentiable
         self.on_does_not_fit = on_does_not_fit
         self.stats: dict[str, float] = {}
 
@@ -117,6 +118,8 @@ class SyncRollout:
             "rollout/rows_per_forward": (after.get("rows", 0) - before.get("rows", 0))
             / max(forwards, 1),
         }
+        if self.reuse_chosen:  # 1: the update trains through this rollout; 0: it replays
+            self.stats["rollout/graph_kept"] = float(self.differentiable)
         return trajs
 
     def _differentiable(
