@@ -154,7 +154,7 @@ def denoise_wave(
                 t_submit,
                 cancelled,
                 differentiable=True,
-                grad_den=grad_denoiser or denoiser,
+                grad_den=grad_denoiser,
             )
     return _denoise(denoiser, requests, version, t_start, t_submit, cancelled)
 
@@ -167,7 +167,7 @@ def _denoise(
     t_submit: Sequence[float] | None,
     cancelled: Callable[[int], bool] | None,
     differentiable: bool = False,
-    grad_den: Denoiser | None = None,
+    grad_den: Denoiser | None = None,  # the forwards with autograd (default: den)
 ) -> tuple[list[Trajectory | None], int, float]:
     # without autograd unless `differentiable` asks for it at an SDE step
     no_grad = torch.no_grad if differentiable else contextlib.nullcontext
