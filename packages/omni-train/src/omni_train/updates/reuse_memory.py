@@ -46,9 +46,9 @@ class ReuseDoesNotFit(TrainError):
 
 class ReuseMemoryCheck:
     """Watches ``adapter``'s first transformer block; at its first forward with autograd,
-    raises `TrainError` when ``samples`` x ``steps`` samples' activations exceed the budget
-    (module docstring). ``close()`` removes the hooks (also done after a check that
-    passes)."""
+    raises `ReuseDoesNotFit` (a `TrainError`) when ``samples`` x ``steps`` samples'
+    activations exceed the budget, and again at every later one until closed (module
+    docstring). ``close()`` removes the hooks (also done after a check that passes)."""
 
     def __init__(
         self,
