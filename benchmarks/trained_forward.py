@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("merged", "merged-graph", "folded", "peft", "peft-grad")
+TRAINED_MODES = ("merged-graph", "folded", "peft-grad")  # forwards that keep a graph
 RANK, ALPHA = 8, 16.0
 TEXT_TOKENS = 32
 LORA_STD = 0.02  # LoRA factors drawn at this scale, so that the merge changes the weights
@@ -105,7 +106,7 @@ def forward(mode: str, model: Any, args: dict[str, Any]) -> Any:
     args = dict(args)
     if mode == "merged-graph":
         args["hidden_states"] = args["hidden_states"].clone().requires_grad_(True)
-    grad = mode in ("merged-graph", "folded", "peft-grad")
+    grad = mode in TRAINED_MODES
     with torch.set_grad_enabled(grad):
         out = model(**args, return_dict=False)[0]
     if grad and out.grad_fn is None:
