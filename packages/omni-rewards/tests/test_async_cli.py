@@ -3,7 +3,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -14,52 +13,56 @@ from omni_rewards import Reward, RewardOutput, load_reward
 from omni_rewards.cli import main
 
 
-class _Slow(Reward):
-    """A reward whose forward takes `delay` seconds of GIL-free time, like a model call."""
+class _Handshake(Reward):
+    """A reward whose scoring of batch k waits until the rollout of batch k + 1 has begun.
 
-    name = "slow"
+    If `ascore` scored on the event loop's thread (or the trainer awaited it before rolling
+    out the next batch), that rollout could not begin and the wait would time out: the test
+    proves the overlap by this handshake, not by wall-clock margins that a loaded machine
+    can break.
+    """
 
-    def __init__(self, delay, **kw):
+    name = "handshake"
+
+    def __init__(self, num_batches: int, **kw):
         super().__init__(**kw)
-        self.delay = delay
-        self.threads = set()
+        self.rollout_started = [threading.Event() for _ in range(num_batches)]
+        self.scoring_started = [threading.Event() for _ in range(num_batches)]
+        self.saw_next_rollout: dict[int, bool] = {}
+        self.threads: set[int] = set()
 
     def score_batch(self, inp):
         self.threads.add(threading.get_ident())
-        time.sleep(self.delay)
+        k = int(inp.prompts[0].removeprefix("batch "))
+        self.scoring_started[k].set()
+        if k + 1 < len(self.rollout_started):
+            self.saw_next_rollout[k] = self.rollout_started[k + 1].wait(10)
         return RewardOutput(np.arange(inp.batch_size, dtype=np.float32))
 
 
 def test_ascore_overlaps_with_next_rollout():
-    reward = _Slow(0.3)
-    events = []
+    num_batches = 4
+    reward = _Handshake(num_batches)
+    saw_previous_scoring: dict[int, bool] = {}
 
-    async def trainer(num_batches=4, rollout_s=0.3):
+    def rollout(k: int) -> None:  # batch k's rollout, in a worker thread as a trainer's is
+        reward.rollout_started[k].set()
+        if k > 0:
+            saw_previous_scoring[k] = reward.scoring_started[k - 1].wait(10)
+
+    async def trainer():
         pending = []
-        t0 = time.monotonic()
         for k in range(num_batches):
-            await asyncio.to_thread(time.sleep, rollout_s)  # rollout of batch k
-            events.append(("rollout_done", k, time.monotonic() - t0))
-
-            async def score(k=k):
-                out = await reward.ascore(prompts=["p"] * 4)
-                events.append(("scored", k, time.monotonic() - t0))
-                return out
-
-            pending.append(asyncio.create_task(score()))
+            await asyncio.to_thread(rollout, k)
+            pending.append(asyncio.create_task(reward.ascore(prompts=[f"batch {k}"] * 4)))
             await asyncio.sleep(0)  # submit batch k's scoring, go on with batch k+1
-        outs = await asyncio.gather(*pending)
-        return outs, time.monotonic() - t0
+        return await asyncio.gather(*pending)
 
-    outs, total = asyncio.run(trainer())
+    outs = asyncio.run(trainer())
     assert all(o.scores.tolist() == [0, 1, 2, 3] for o in outs)
-    done = {k: t for e, k, t in events if e == "rollout_done"}
-    scored = {k: t for e, k, t in events if e == "scored"}
-    # the score of batch k arrives while batch k+1 is still rolling out
-    for k in range(3):
-        assert done[k] < scored[k] < done[k + 1] + 0.05, events
-    # overlapped: well under the sequential 4 * (0.3 + 0.3) s
-    assert total < 0.8 * 4 * 0.6, total
+    # batch k was scored while batch k+1 rolled out, for every k
+    assert reward.saw_next_rollout == {k: True for k in range(num_batches - 1)}
+    assert saw_previous_scoring == {k: True for k in range(1, num_batches)}
     assert threading.get_ident() not in reward.threads
 
 
