@@ -8,6 +8,7 @@ serves every algorithm (`RayLearner.configure`).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -373,6 +374,24 @@ def test_killed_reward_worker_is_restarted_and_resubmitted(pools, sd3_pool):
     got, _, _ = loop.score(trajs, 3)
     assert reward.pool.restarts == before + 1
     np.testing.assert_allclose(got, ref)
+
+
+def test_workers_run_at_the_drivers_priority(pools, sd3_pool):
+    """Ray's default worker niceness is 15, at which any other process on the machine would
+    starve the ranks, the rollout and the reward workers (`WORKER_RUNTIME_ENV`)."""
+    import ray
+
+    def niceness(_actor):
+        return os.nice(0)
+
+    # after the two tests above, one rollout and one reward worker are restarted ones
+    actors = [
+        *sd3_pool["ray"].actors,
+        *pools["rollout"].pool.handles,
+        *pools["reward"].pool.handles,
+    ]
+    assert len(actors) == 5
+    assert ray.get([a.__ray_call__.remote(niceness) for a in actors]) == [os.nice(0)] * len(actors)
 
 
 def test_pool_sizes_and_errors(tmp_path, tiny_sd3):
