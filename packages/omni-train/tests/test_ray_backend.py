@@ -384,7 +384,7 @@ def test_workers_run_at_the_drivers_priority(pools, sd3_pool):
     def niceness(_actor):
         return os.nice(0)
 
-    # after the two tests above, one rollout and one reward worker are restarted ones
+    # run in file order, one rollout and one reward worker are restarted ones by now
     actors = [
         *sd3_pool["ray"].actors,
         *pools["rollout"].pool.handles,
@@ -392,6 +392,38 @@ def test_workers_run_at_the_drivers_priority(pools, sd3_pool):
     ]
     assert len(actors) == 5
     assert ray.get([a.__ray_call__.remote(niceness) for a in actors]) == [os.nice(0)] * len(actors)
+
+
+# A driver that joins a running cluster (RAY_ADDRESS), as `omni-train` does there: its job's
+# workers run at its priority too
+_JOIN_AND_ASK = """
+import json, os, sys
+import ray
+from omni_train.backends.ray import ensure_ray
+from omni_train.recipe import recipe_from_dict
+assert ensure_ray(recipe_from_dict(json.loads(sys.argv[1])))
+print("niceness", ray.get(ray.remote(lambda: os.nice(0)).remote()))
+"""
+
+
+def test_a_driver_joining_a_cluster_runs_its_workers_at_its_priority(
+    ray_session, tmp_path, tiny_sd3
+):
+    import json
+    import subprocess
+    import sys
+
+    recipe = tiny_recipe(tmp_path, tiny_sd3, trainer={"backend": "ray"})
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    out = subprocess.run(
+        [sys.executable, "-c", _JOIN_AND_ASK, json.dumps(recipe)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"niceness {os.nice(0)}" in out.stdout.splitlines()
 
 
 def test_pool_sizes_and_errors(tmp_path, tiny_sd3):
