@@ -206,6 +206,21 @@ def test_compute_score_uses_our_reward():
     assert right > wrong
 
 
+def test_verl_runs_its_ray_workers_at_the_drivers_priority(tmp_path):
+    """The generated config hands verl our Ray runtime environment (workers at the driver's
+    niceness, not Ray's 15), as a string: a bare `0` would reach verl as an int, which Ray
+    refuses in `env_vars`."""
+    from omni_train.backends.ray_runtime import WORKER_RUNTIME_ENV
+
+    cfg = vb.build_verl_config(omni_recipe(tmp_path))
+    assert cfg["ray_kwargs"]["ray_init"]["runtime_env"] == WORKER_RUNTIME_ENV
+    assert "++ray_kwargs.ray_init.runtime_env.env_vars={RAY_worker_niceness:'0'}" in (
+        vb.to_overrides(cfg)
+    )
+    strings = {"a": "0", "b": "1e-3", "c": "inf", "d": "False", "e": "fsdp2"}
+    assert vb.to_overrides(strings) == ["a='0'", "b='1e-3'", "c='inf'", "d='False'", "e=fsdp2"]
+
+
 def test_run_without_verl_says_how(tmp_path, monkeypatch):
     from omni_train import train
     from omni_train.errors import TrainError
@@ -265,6 +280,31 @@ def test_verl_config_accepts_every_override(tmp_path):
     score = get_custom_reward_fn(conf)
     assert score("omni", "(B) two", "B", {"prompt": "How many?"}) == 1.0
     assert score("omni", "Bob: C", "B", {"prompt": "How many?"}) == 0.0
+
+
+@needs_verl
+def test_verl_starts_ray_with_our_runtime_environment(tmp_path, monkeypatch):
+    """verl's own `main_ppo.run_ppo`, given the config composed from our overrides, calls
+    `ray.init` with our worker variables merged onto verl's (stopped there: the rest needs
+    GPUs)."""
+    import ray
+    from verl.trainer import main_ppo
+
+    class RayInitCalled(Exception):
+        pass
+
+    def record(**kwargs):
+        raise RayInitCalled(kwargs)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", record)
+    r = omni_recipe(tmp_path, trainer={"gpus_per_node": 1})
+    conf = _compose(vb.to_overrides(vb.build_verl_config(r)))
+    with pytest.raises(RayInitCalled) as called:
+        main_ppo.run_ppo(conf, None)
+    env_vars = called.value.args[0]["runtime_env"]["env_vars"]
+    assert env_vars["RAY_worker_niceness"] == "0"
+    assert "VERL_FULL_DETERMINISM" in env_vars  # verl's own variables are kept
 
 
 @needs_verl

@@ -56,6 +56,7 @@ from ..updates import (
     select_rows,
     update_plans,
 )
+from .ray_runtime import WORKER_RUNTIME_ENV
 
 __all__ = [
     "ActorWorker",
@@ -887,16 +888,6 @@ class RayLearner:
             with contextlib.suppress(Exception):
                 ray.kill(a)
         self.actors = []
-
-
-#: The job's runtime environment. Ray starts its worker processes at niceness 15, so that its
-#: own daemons stay responsive; here the workers are the training itself, and at 15 every other
-#: process on the machine comes first (beside two busy loops on 2 cores, two FSDP ranks got ~4 %
-#: of a core each and a tiny update did not finish in 10 minutes). The value is an increment on
-#: the raylet's niceness, which a local cluster inherits from the driver: 0 keeps the driver's
-#: priority (a driver at nice 5 gave its workers 5, and 19 without this). Ray's job supervisor
-#: sets the same variable to 0 for its own actor.
-WORKER_RUNTIME_ENV: dict[str, Any] = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
 def start_ray(num_cpus: int, num_gpus: int | None = None, attempts: int = 3) -> None:

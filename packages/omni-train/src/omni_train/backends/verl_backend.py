@@ -41,6 +41,7 @@ import torch
 from ..errors import TrainError
 from ..recipe import Recipe, RecipeError
 from ..tasks import CHOICE_LETTERS, OmniItem, first_choice_letter, load_items
+from .ray_runtime import WORKER_RUNTIME_ENV
 
 __all__ = [
     "ADDED_KEYS",
@@ -69,7 +70,10 @@ REWARD_FUNCTION_PATH = "pkg://omni_train.backends.verl_backend"
 #: the parquet column verl's RLHFDataset reads images from (`data.image_key`, its default)
 IMAGE_KEY = "images"
 #: keys verl 0.9's config schema does not declare: set with Hydra's `++key=value`
-ADDED_KEYS = ("reward.custom_reward_function.reward_kwargs",)
+ADDED_KEYS = (
+    "reward.custom_reward_function.reward_kwargs",
+    "ray_kwargs.ray_init.runtime_env.env_vars",
+)
 #: verl loss_agg_mode -> our `agg`
 _AGG = {
     "token-mean": "token-mean",
@@ -146,7 +150,10 @@ def build_verl_config(
     val_temperature` -> `data.max_response_length` and the rollout's sampling settings; the
     reward (name, options, extract) -> `reward.custom_reward_function` with our
     `omni_compute_score`; `trainer.nnodes/gpus_per_node/steps/seed` -> `trainer.*` and
-    `data.seed`. Finally every `trainer.verl` entry (dotted key -> value) is set on top.
+    `data.seed`; `ray_kwargs.ray_init.runtime_env.env_vars` = our Ray backend's
+    (`omni_train.backends.ray_runtime.WORKER_RUNTIME_ENV`: verl's Ray workers at the driver's
+    priority, not Ray's niceness 15; verl merges it onto its own runtime environment). Finally
+    every `trainer.verl` entry (dotted key -> value) is set on top.
     """
     _omni_checks(recipe)
     r = recipe
@@ -259,10 +266,21 @@ def build_verl_config(
             "test_freq": r.trainer.val_every or -1,
             "val_before_train": False,
         },
+        "ray_kwargs": {
+            "ray_init": {"runtime_env": {"env_vars": dict(WORKER_RUNTIME_ENV["env_vars"])}}
+        },
     }
     for key, value in r.trainer.verl.items():
         _set(cfg, key, value)
     return cfg
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
 
 
 def _hydra(v: Any) -> str:
@@ -275,7 +293,12 @@ def _hydra(v: Any) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, str):
-        bare = v and all(c.isalnum() or c in "_-./+" for c in v) and v not in ("true", "null")
+        bare = (
+            v
+            and all(c.isalnum() or c in "_-./+" for c in v)
+            and v.lower() not in ("true", "false", "null")
+            and not _is_number(v)  # bare `0` would reach verl as an int, not the string "0"
+        )
         return v if bare else "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
     if isinstance(v, (list, tuple)):
         return "[" + ",".join(_hydra(x) for x in v) + "]"
