@@ -42,10 +42,12 @@ __all__ = [
     "MAX_PROMPT_CHARS",
     "DataRow",
     "ImageRef",
+    "JsonlRow",
     "PromptData",
     "check_prompt",
     "data_file",
     "read_data_file",
+    "read_jsonl_rows",
     "read_prompt_file",
     "read_text_lines",
 ]
@@ -173,7 +175,23 @@ def _image_path(value: str, base: Path, where: str) -> ImageRef:
     return ref
 
 
-def _read_jsonl(p: Path, key: str) -> list[DataRow]:
+@dataclass(frozen=True)
+class JsonlRow:
+    """One non-blank line of a JSONL data file, checked: a JSON object with a valid string
+    ``prompt``, and its ``image`` (a path relative to the file) opened when it has one."""
+
+    where: str  # names the file and line in errors ("data.file d.jsonl, line 3")
+    fields: dict[str, Any]
+    image: ImageRef | None
+
+    @property
+    def prompt(self) -> str:
+        return self.fields["prompt"]
+
+
+def read_jsonl_rows(p: Path, key: str) -> list[JsonlRow]:
+    """The rows of the JSONL file ``p`` (a data file of ``key``); RecipeError naming the line
+    for a row that is not JSON, has no valid string ``prompt`` or a bad ``image``."""
     rows = []
     for lineno, line in read_text_lines(p, key):
         if not line.strip():
@@ -189,10 +207,11 @@ def _read_jsonl(p: Path, key: str) -> list[DataRow]:
         image = row.get("image")
         if image is not None and (not isinstance(image, str) or not image.strip()):
             raise RecipeError(
-                f"{where}: 'image' must be a PNG/JPEG path (relative to the file), got {image!r}"
+                f"{where}: 'image' must be a PNG/JPEG path (relative to the file), got "
+                f"{image!r:.80}"
             )
         ref = None if image is None else _image_path(image, p.parent, where)
-        rows.append(DataRow(row["prompt"], ref))
+        rows.append(JsonlRow(where, row, ref))
     return rows
 
 
@@ -247,7 +266,7 @@ def read_data_file(path: str | Path, key: str = "data.file") -> list[DataRow]:
     elif p.suffix == ".parquet":
         rows = _read_parquet(p, key)
     else:
-        rows = _read_jsonl(p, key)
+        rows = [DataRow(r.prompt, r.image) for r in read_jsonl_rows(p, key)]
     if not rows:
         raise RecipeError(f"{key} {p}: no prompts")
     return rows

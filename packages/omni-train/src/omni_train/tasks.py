@@ -18,7 +18,6 @@ to the file's folder). Bad rows are reported by file and line number, as in
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .data import check_prompt, data_file, read_text_lines
+from .data import check_prompt, data_file, read_jsonl_rows
 from .recipe import RecipeError
 from .seeds import derive_seed
 
@@ -138,42 +137,17 @@ def first_choice_letter(text: str, letters: str = CHOICE_LETTERS) -> str:
 
 def read_omni_file(path: str | Path, key: str = "data.file") -> list[OmniItem]:
     """Items from a JSONL file of {"prompt", "answer", "image"?} rows (MMK12 format)."""
-    from PIL import Image
-
     p = data_file(path, key)
     items = []
-    for lineno, line in read_text_lines(p, key):
-        if not line.strip():
-            continue
-        where = f"{key} {p}, line {lineno}"
-        try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, RecursionError, ValueError) as exc:
-            raise RecipeError(f"{where}: not valid JSON ({type(exc).__name__}: {exc})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise RecipeError(f"{where}: needs a string 'prompt' field")
-        check_prompt(row["prompt"], where)
-        answer = row.get("answer")
+    for row in read_jsonl_rows(p, key):
+        answer = row.fields.get("answer")
         if isinstance(answer, int | float) and not isinstance(answer, bool):
             answer = str(answer)
         if not isinstance(answer, str) or not answer.strip():
-            raise RecipeError(f"{where}: needs a non-empty 'answer' field")
-        check_prompt(answer, where, "answer")
-        image = None
-        if row.get("image") is not None:
-            if not isinstance(row["image"], str) or not row["image"].strip():
-                raise RecipeError(
-                    f"{where}: 'image' must be a PNG/JPEG path (relative to the file), got "
-                    f"{row['image']!r:.80}"
-                )
-            ip = Path(row["image"]).expanduser()
-            ip = data_file(ip if ip.is_absolute() else p.parent / ip, where, "image")
-            try:
-                with Image.open(ip) as im:
-                    image = np.asarray(im.convert("RGB"), dtype=np.uint8)
-            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-                raise RecipeError(f"{where}: image {ip}: {exc}") from None
-        items.append(OmniItem(row["prompt"], answer, image))
+            raise RecipeError(f"{row.where}: needs a non-empty 'answer' field")
+        check_prompt(answer, row.where, "answer")
+        image = None if row.image is None else row.image.load()
+        items.append(OmniItem(row.prompt, answer, image))
     if not items:
         raise RecipeError(f"{key} {p}: no rows")
     return items
