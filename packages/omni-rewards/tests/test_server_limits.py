@@ -295,6 +295,19 @@ def test_cli_start_up_errors_are_one_line(argv, words, capsys):
     assert code != 0 and "\n" not in text and words in text, text
 
 
+def test_cli_start_up_error_keeps_the_messages_quotes():
+    """The message is printed whole: a value quoted at its end keeps its closing quote, and a
+    KeyError's message is not wrapped in the quotes of its repr."""
+    from omni_rewards import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "ocr", "-o", "backend=zz"])
+    assert str(info.value.code).endswith("got 'zz'"), info.value.code
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "nope"])
+    assert "KeyError: unknown reward 'nope';" in str(info.value.code), info.value.code
+
+
 def test_cli_unknown_reward_is_one_line():
     proc = subprocess.run(
         [sys.executable, "-m", "omni_rewards.cli", "serve", "nope", "--port", "8111"],

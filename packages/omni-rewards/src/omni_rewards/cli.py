@@ -85,7 +85,9 @@ def _cmd_score(args: argparse.Namespace) -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()).strip("'\"")
+    # str(KeyError("x")) is "'x'" (its repr): take the message itself
+    key_error = isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str)
+    text = " ".join((exc.args[0] if key_error else str(exc)).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
