@@ -15,6 +15,7 @@ from omni_train.recipe import (
     load_recipe,
     parse_override,
     recipe_from_dict,
+    reference_markdown,
     valid_keys,
 )
 
@@ -259,3 +260,15 @@ def test_docs_reference_every_key() -> None:
     doc = (REPO / "docs" / "recipes.md").read_text()
     missing = [k for k in valid_keys() if f"`{k}`" not in doc]
     assert not missing, f"docs/recipes.md lacks {missing}; regenerate: python -m omni_train.recipe"
+    # the embedded reference is the schema's, word for word: a changed description, default or
+    # section docstring shows here until the doc is regenerated
+    start, end = "<!-- keys:start -->\n", "<!-- keys:end -->"
+    embedded = doc[doc.index(start) + len(start) : doc.index(end)]
+    assert embedded == reference_markdown(), "docs/recipes.md is stale: python -m omni_train.recipe"
+
+
+def test_reference_section_text_is_the_docstrings_first_paragraph() -> None:
+    """A section's text is its docstring's first paragraph whole, not its first line."""
+    text = reference_markdown()
+    assert "Li et al. 2025, arXiv 2507.21802): at training step s" in text
+    assert "so a resumed run continues it exactly" in text

@@ -976,7 +976,8 @@ def reference_markdown() -> str:
     out: list[str] = []
 
     def table(model: type[BaseModel], prefix: str) -> None:
-        doc = (model.__doc__ or "").strip().splitlines()[0] if model.__doc__ else ""
+        # the docstring's first paragraph, whole (its first line alone can stop mid-sentence)
+        doc = " ".join((model.__doc__ or "").strip().split("\n\n")[0].split())
         out.append(f"### `{prefix.rstrip('.') or 'top level'}`\n")
         if doc:
             out.append(doc + "\n")
