@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni_algos.losses import agg_loss, grpo, gspo
+from omni_algos.losses.token import AGG_MODES
 
 
 def _data(b=4, t=6, seed=0, dtype=torch.float64):
@@ -92,7 +93,7 @@ def _ref_agg(loss, mask, mode):
     if mode == "token-mean":
         return tot / float(mask.sum())
     if mode == "seq-mean-token-sum-norm":
-        return tot / t
+        return tot / (len(rows) * t)
     per = []
     for i in rows:
         s = sum(float(loss[i, j]) for j in range(t) if mask[i, j])
@@ -182,3 +183,21 @@ def test_k3_kl_zero_at_equal_and_positive_otherwise() -> None:
     d = torch.tensor([0.5, -0.5])
     expect = float((torch.exp(d) - d - 1).mean())
     assert float(k3_kl(lp, ref, mask)) == pytest.approx(expect, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_micro_batches_weighted_by_their_units_give_the_whole_batch(mode):
+    """Split into micro-batches (same padded length), each aggregate weighted by its share of
+    the units (tokens for token-mean, non-empty rows for the seq-mean modes), as omni_train's
+    updates and verl's global batch normalisation weigh them, sums to the whole batch's."""
+    g = torch.Generator().manual_seed(3)
+    loss = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    mask = (torch.rand(8, 6, generator=g) > 0.3).double()
+    mask[5] = 0
+
+    def units(m):
+        return m.sum() if mode == "token-mean" else (m.sum(-1) > 0).sum().double()
+
+    parts = [slice(0, 3), slice(3, 4), slice(4, 8)]
+    split = sum(units(mask[p]) / units(mask) * agg_loss(loss[p], mask[p], mode) for p in parts)
+    assert abs(float(split) - float(agg_loss(loss, mask, mode))) < 1e-12

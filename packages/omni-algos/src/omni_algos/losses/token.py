@@ -25,8 +25,9 @@ def agg_loss(
     - ``token-mean``: ``sum(l m) / sum(m)`` (every token weighs the same);
     - ``seq-mean-token-mean``: mean over non-empty rows of ``sum_t(l m) / sum_t(m)``;
     - ``seq-mean-token-sum``: mean over non-empty rows of ``sum_t(l m)``;
-    - ``seq-mean-token-sum-norm``: ``sum(l m) / norm`` with ``norm = T`` by default (Dr. GRPO's
-      constant normaliser, arXiv 2503.20783).
+    - ``seq-mean-token-sum-norm``: mean over non-empty rows of ``sum_t(l m) / norm``, with
+      ``norm = T`` by default: Dr. GRPO's constant normaliser in place of each response's
+      length (Liu et al. 2025, arXiv 2503.20783; verl's mode of the same name).
 
     Fully masked rows are excluded; an all-masked batch gives a zero loss (still connected to
     the graph).
@@ -41,11 +42,11 @@ def agg_loss(
     rows = (tok > 0).to(loss_mat.dtype)
     if agg == "token-mean":
         return masked.sum() / m.sum().clamp(min=1)
-    if agg == "seq-mean-token-sum-norm":
-        return masked.sum() / (loss_mat.shape[-1] if norm is None else norm)
     seq = masked.sum(dim=-1)
     if agg == "seq-mean-token-mean":
         seq = seq / tok.clamp(min=1)
+    if agg == "seq-mean-token-sum-norm":
+        seq = seq / (loss_mat.shape[-1] if norm is None else norm)
     return (seq * rows).sum() / rows.sum().clamp(min=1)
 
 
