@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from omni_algos.losses.token import AGG_MODES
 from omni_train.backends import verl_backend as vb
 from omni_train.recipe import RecipeError, recipe_from_dict
 
@@ -198,6 +199,53 @@ def test_advantage_estimator_is_group_relative():
     assert float(adv[1, 4]) == 0.0 and torch.equal(adv, ret)
     adv_nostd, _ = vb.omni_group_advantage(tok, mask, index, norm_adv_by_std_in_grpo=False)
     torch.testing.assert_close(adv_nostd[:3, 0], rewards[:3] - rewards[:3].mean())
+    # verl hands an estimator it does not know the algorithm config, not the keyword
+    algorithm = {"norm_adv_by_std_in_grpo": False}
+    adv_config, _ = vb.omni_group_advantage(tok, mask, index, config=algorithm)
+    torch.testing.assert_close(adv_config, adv_nostd)
+
+
+def test_adv_std_global_is_refused_on_verl(tmp_path):
+    with pytest.raises(RecipeError, match=r"algorithm\.adv_std"):
+        omni_recipe(tmp_path, algorithm={"adv_std": "global"})
+    cfg = vb.build_verl_config(omni_recipe(tmp_path, algorithm={"adv_std": "none"}))
+    assert cfg["algorithm"]["norm_adv_by_std_in_grpo"] is False
+
+
+def _micro_batches(seed=2, B=8, T=6):
+    """A mini-batch of B responses split into micro-batches of 3, 1 and 4 rows, a response
+    fully masked, the rest of uneven lengths."""
+    old, new, adv, mask = _batch(seed, B, T)
+    mask[2] = 0
+    mask[5, 2:] = 0
+    return old, new, adv, mask, [slice(0, 3), slice(3, 4), slice(4, 8)]
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_micro_batch_losses_add_up_to_the_global_batch_loss(agg, dp_size):
+    """verl calls backward once per micro-batch with `global_batch_info` set; our loss, scaled
+    by `global_batch_scale`, then sums over the micro-batches to the loss of the whole batch in
+    one pass, value and gradient. With dp_size ranks each holding as many responses, each
+    rank's sum is that loss, and so is FSDP's average of the ranks' gradients."""
+    from omni_algos.losses import LOSSES
+
+    old, new, adv, mask, parts = _micro_batches()
+    info = {
+        "dp_size": dp_size,
+        "batch_num_tokens": float(mask.sum()) * dp_size,  # the other ranks hold as many
+        "global_batch_size": int((mask.sum(-1) > 0).sum()) * dp_size,
+        "loss_scale_factor": None,
+    }
+    conf = SimpleNamespace(clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.3)
+    conf.global_batch_info = info
+    loss_fn = vb.verl_policy_loss("grpo")
+    total = sum(loss_fn(old[p], new[p], adv[p], mask[p], agg, conf)[0] for p in parts)
+    whole = LOSSES["grpo"](new, old, adv, mask, clip_low=0.1, clip_high=0.3, agg=agg).loss
+    torch.testing.assert_close(total, whole)
+    (g_total,) = torch.autograd.grad(total, new)
+    (g_whole,) = torch.autograd.grad(whole, new)
+    torch.testing.assert_close(g_total, g_whole)
 
 
 def test_compute_score_uses_our_reward():
@@ -287,13 +335,19 @@ def test_verl_starts_ray_with_our_runtime_environment(tmp_path, monkeypatch):
     """verl's own `main_ppo.run_ppo`, given the config composed from our overrides, calls
     `ray.init` with our worker variables merged onto verl's (stopped there: the rest needs
     GPUs)."""
+    import inspect
+
     import ray
+    import ray.runtime_env
     from verl.trainer import main_ppo
 
     class RayInitCalled(Exception):
         pass
 
-    def record(**kwargs):
+    def record(*args, **kwargs):
+        # the call must be one the real ray.init accepts, with a runtime env Ray accepts
+        inspect.signature(ray.init).bind(*args, **kwargs)
+        ray.runtime_env.RuntimeEnv(**kwargs["runtime_env"])
         raise RayInitCalled(kwargs)
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -362,6 +416,87 @@ def test_registered_in_verl_registries():
     est = core_algos.get_adv_estimator_fn("omni_group")
     assert est is vb.omni_group_advantage
     vb.register_into_verl()  # idempotent
+
+
+@needs_verl
+@pytest.mark.parametrize("adv_std", ["group", "none"])
+def test_verl_computes_our_advantage_with_the_recipes_std_setting(tmp_path, adv_std):
+    """verl's own `compute_advantage`, called as its trainer calls it (with the algorithm
+    config composed from our overrides), gives our group advantages with the recipe's
+    `algorithm.adv_std`."""
+    import numpy as np
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    from omni_algos.advantages import group_advantages
+
+    vb.register_into_verl()
+    r = omni_recipe(tmp_path, algorithm={"adv_std": adv_std})
+    algorithm = _compose(vb.to_overrides(vb.build_verl_config(r))).algorithm
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.9, 0.1])
+    tok = torch.zeros(6, 5)
+    tok[:, -1] = rewards
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": tok, "response_mask": torch.ones(6, 5)},
+        non_tensors={"uid": np.array(["a", "a", "a", "b", "b", "b"], dtype=object)},
+    )
+    out = compute_advantage(  # as verl.trainer.ppo.v1.trainer_base passes it
+        data,
+        adv_estimator=algorithm.adv_estimator,
+        gamma=algorithm.gamma,
+        lam=algorithm.lam,
+        norm_adv_by_std_in_grpo=algorithm.get("norm_adv_by_std_in_grpo", True),
+        config=algorithm,
+    )
+    want = group_advantages(rewards, torch.tensor([0, 0, 0, 1, 1, 1]), std=adv_std, eps=1e-6)
+    torch.testing.assert_close(out.batch["advantages"][:, 0], want)
+
+
+@needs_verl
+@pytest.mark.parametrize(
+    "name,verl_name,agg",
+    [("grpo", "vanilla", agg) for agg in AGG_MODES] + [("gspo", "gspo", "seq-mean-token-mean")],
+)
+def test_our_loss_is_verls_own_on_its_global_batch(tmp_path, name, verl_name, agg):
+    """On verl's real actor config (composed from our overrides), with `global_batch_info`
+    filled as verl's `ppo_loss` fills it, our loss on each micro-batch equals verl's own
+    (`vanilla`: its dual-clip PPO loss, GRPO's; `gspo`), value and gradient, and the
+    micro-batches add up to the whole batch's."""
+    from verl.trainer.ppo import core_algos
+    from verl.utils.config import omega_conf_to_dataclass
+
+    vb.register_into_verl()
+    clips = {"grpo": (0.1, 0.3), "gspo": (3e-4, 4e-4)}[name]
+    options = {"clip_low": clips[0], "clip_high": clips[1], "agg": agg}
+    r = omni_recipe(tmp_path, algorithm={"name": name, "options": options})
+    actor = omega_conf_to_dataclass(
+        _compose(vb.to_overrides(vb.build_verl_config(r))).actor_rollout_ref.actor
+    )
+    assert actor.policy_loss.loss_mode == f"omni_{name}" and actor.loss_agg_mode == agg
+    old, new, adv, mask, parts = _micro_batches(seed=4)
+    mask = mask.bool()  # as verl's ppo_loss hands it over
+    actor.global_batch_info.update(
+        dp_size=1,
+        batch_num_tokens=int(mask.sum()),
+        global_batch_size=int((mask.sum(-1) > 0).sum()),
+        loss_scale_factor=actor.loss_scale_factor,
+    )
+    ours_fn = core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
+    verl_fn = core_algos.get_policy_loss_fn(verl_name)
+    total = 0
+    for p in parts:
+        kw = dict(old_log_prob=old[p], advantages=adv[p], response_mask=mask[p], config=actor)
+        ours, _ = ours_fn(log_prob=new[p], loss_agg_mode=agg, **kw)
+        theirs, _ = verl_fn(log_prob=new[p], loss_agg_mode=agg, **kw)
+        torch.testing.assert_close(ours, theirs)
+        (g_ours,) = torch.autograd.grad(ours, new)
+        (g_theirs,) = torch.autograd.grad(theirs, new)
+        torch.testing.assert_close(g_ours, g_theirs)
+        total = total + ours
+    actor.global_batch_info.clear()  # verl's loss on the whole batch in one pass
+    kw = dict(old_log_prob=old, advantages=adv, response_mask=mask, config=actor)
+    whole, _ = verl_fn(log_prob=new, loss_agg_mode=agg, **kw)
+    torch.testing.assert_close(total, whole)
 
 
 @needs_verl

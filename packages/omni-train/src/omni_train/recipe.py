@@ -737,6 +737,12 @@ class Recipe(_Section):
             )
         if a.reuse_rollout_forward is True:
             out.extend(self._reuse_rollout_forward_problems(row))
+        if t.backend == "verl" and a.adv_std == "global":
+            out.append(
+                "algorithm.adv_std: verl's advantage estimators divide by each group's std or "
+                "by none (its algorithm.norm_adv_by_std_in_grpo); use group or none, or "
+                "trainer.backend local or ray for global"
+            )
         if t.backend == "verl" and self.rollout.allowed_tokens:
             out.append(
                 "rollout.allowed_tokens: verl's rollout engines sample without a token mask; "

@@ -50,6 +50,7 @@ __all__ = [
     "LOSS_NAMES",
     "REWARD_FUNCTION_PATH",
     "build_verl_config",
+    "global_batch_scale",
     "omni_compute_score",
     "omni_group_advantage",
     "omni_items",
@@ -342,13 +343,43 @@ def _cfg_get(config: Any, name: str, default: Any = None) -> Any:
     return default if v is None else v
 
 
+def global_batch_scale(agg: str, mask: torch.Tensor, info: Mapping[str, Any]) -> float:
+    """The factor from our loss over one micro-batch to verl's share of its global batch.
+
+    Our losses aggregate over the rows they are given (`omni_algos.losses.agg_loss`). verl 0.9
+    calls backward once per micro-batch, and its own losses aggregate over the whole global
+    mini-batch instead (`core_algos.agg_loss(..., **config.global_batch_info)`, the info filled
+    by `verl.workers.utils.losses.ppo_loss`): divided by the global batch's tokens
+    (``batch_num_tokens``, token-mean) or responses (``global_batch_size``, the seq-mean modes)
+    and multiplied by ``dp_size`` (FSDP averages the ranks' gradients); seq-mean-token-sum-norm
+    divides by ``loss_scale_factor`` where it is set instead of the padded length. Without the
+    global sizes (one rank) verl aggregates over the micro-batch, as we do.
+    """
+    dp = int(info.get("dp_size") or 1)
+    if agg == "token-mean":
+        local, total = mask.sum(), info.get("batch_num_tokens")
+    else:
+        local, total = (mask.sum(-1) > 0).sum(), info.get("global_batch_size")
+    if total is None:
+        if dp > 1:  # verl's agg_loss refuses this too
+            raise ValueError(f"verl gave dp_size {dp} but not the global batch's size ({agg})")
+        scale = 1.0
+    else:
+        scale = float(local) * dp / float(total)
+    norm = info.get("loss_scale_factor")
+    if agg == "seq-mean-token-sum-norm" and norm is not None:
+        scale *= mask.shape[-1] / float(norm)
+    return scale
+
+
 def verl_policy_loss(name: str):
     """Our `omni_algos.losses.<name>` as a verl policy loss.
 
     verl passes `(old_log_prob, log_prob, advantages, response_mask)` of shape (B, T), the
     `loss_agg_mode` and the actor config (`clip_ratio_low`, `clip_ratio_high`,
-    `clip_ratio_c`); the result is `(loss, metrics)` with verl's metric names
-    (`actor/pg_clipfrac`, `actor/ppo_kl`) plus ours under `actor/omni_*`.
+    `clip_ratio_c`, `global_batch_info`); the result is `(loss, metrics)` with verl's metric
+    names (`actor/pg_clipfrac`, `actor/ppo_kl`) plus ours under `actor/omni_*`, the loss
+    scaled to verl's share of the global batch (`global_batch_scale`).
     `rollout_is_weights` (verl's rollout correction) multiply the per-token loss: GRPO/GSPO
     are linear in a per-token weight, so the loss is recomputed with advantages * weights.
     """
@@ -387,7 +418,8 @@ def verl_policy_loss(name: str):
             "actor/pg_clipfrac_lower": float(out.metrics.get("clipfrac_lower", 0.0)),
         }
         metrics.update({f"actor/omni_{k}": float(v) for k, v in out.metrics.items()})
-        return out.loss, metrics
+        info = _cfg_get(config, "global_batch_info", None) or {}
+        return out.loss * global_batch_scale(kw["agg"], response_mask, info), metrics
 
     policy_loss.__name__ = f"omni_{name}_policy_loss"
     policy_loss.__qualname__ = policy_loss.__name__
@@ -405,8 +437,16 @@ def omni_group_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl advantage estimator: `omni_algos.advantages.group_advantages` on the sequence
     rewards `sum_t token_level_rewards`, groups from verl's `index` (the prompt uid),
-    broadcast over the response tokens; returns (advantages, returns) like verl's GRPO."""
+    broadcast over the response tokens; returns (advantages, returns) like verl's GRPO.
+
+    verl 0.9's `compute_advantage` hands an estimator it does not know its algorithm
+    ``config``, not the ``norm_adv_by_std_in_grpo`` keyword: the setting is read from there."""
     from omni_algos.advantages import group_advantages
+
+    if config is not None:
+        norm_adv_by_std_in_grpo = bool(
+            _cfg_get(config, "norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
+        )
 
     scores = token_level_rewards.sum(dim=-1)
     ids: dict[Any, int] = {}
