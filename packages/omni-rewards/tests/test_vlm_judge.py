@@ -20,17 +20,20 @@ def check_request_with_the_sdk(body: dict) -> None:
     parameter of ``chat.completions.create``, every message part one of its content part
     types (checked with the SDK's own TypedDicts)."""
     from openai.resources.chat.completions import Completions
-    from openai.types.chat import ChatCompletionContentPartParam
+    from openai.types.chat import ChatCompletionContentPartParam, ChatCompletionUserMessageParam
     from pydantic import TypeAdapter
 
     sdk_options = {"self", "extra_headers", "extra_query", "extra_body", "timeout"}
     params = set(inspect.signature(Completions.create).parameters) - sdk_options
     assert set(body) <= params, f"not parameters of the OpenAI SDK: {set(body) - params}"
+    # validation drops keys a TypedDict does not declare: a misspelt one shows as a difference
+    user_message = TypeAdapter(ChatCompletionUserMessageParam)
     part = TypeAdapter(ChatCompletionContentPartParam)
     for message in body["messages"]:
-        assert message["role"] == "user"
+        head = {**message, "content": ""}
+        assert user_message.validate_python(head) == head, f"not a user message: {head}"
         for content in message["content"]:
-            part.validate_python(content)
+            assert part.validate_python(content) == content, f"not a content part: {content}"
 
 
 def sdk_response(model: str, answer: str) -> dict:
@@ -50,6 +53,7 @@ def _fake_judge():
     """An OpenAI-compatible chat endpoint on 127.0.0.1 that checks each request, and writes each
     answer, with the official SDK's types: rates red images 8/10, others 2/10; in OCR mode
     answers "Hello World". Fails on demand to exercise retries."""
+    from openai.types.shared import ErrorObject
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route
@@ -60,7 +64,12 @@ def _fake_judge():
         state["calls"] += 1
         if state["fail_next"]:
             code = state["fail_next"].pop(0)
-            return JSONResponse({"error": "busy"}, status_code=code, headers={"retry-after": "0"})
+            busy = ErrorObject(message="busy", type="server_error", code=None, param=None)
+            return JSONResponse(
+                {"error": busy.model_dump(mode="json")},
+                status_code=code,
+                headers={"retry-after": "0"},
+            )
         if state["delay"]:
             await asyncio.sleep(state["delay"])
         body = await request.json()
@@ -123,10 +132,11 @@ def test_the_official_sdk_sends_our_request(judge):
     assert completion.choices[0].message.content == "Score: 8/10"
     with pytest.raises(TypeError):  # the SDK does refuse a parameter it does not have
         client.chat.completions.create(**body, max_token=16)
-    with pytest.raises(Exception, match="image_url"):  # and the check a misnamed part
-        check_request_with_the_sdk(
-            {**body, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
-        )
+    for bad_part in ({"type": "image_url"}, {"type": "text", "text": "x", "detial": "high"}):
+        with pytest.raises((AssertionError, ValueError)):  # and the check a misnamed part
+            check_request_with_the_sdk(
+                {**body, "messages": [{"role": "user", "content": [bad_part]}]}
+            )
 
 
 def test_ocr_mode(judge):
