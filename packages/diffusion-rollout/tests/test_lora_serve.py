@@ -47,6 +47,33 @@ def test_lora_spec_reads_ours_and_peft_and_names_bad_fields():
     assert names == ["a.lora_A.weight"]
 
 
+def test_lora_spec_reads_peft_own_adapter_config(tmp_path):
+    """The adapter_config.json that peft itself writes: a plain LoRA reads as one, and every
+    setting that changes the adapter's arithmetic is refused by name."""
+    import json
+
+    peft = pytest.importorskip("peft")  # not in the standalone wheel's environment
+
+    def written(config_class=peft.LoraConfig, **kw):
+        config_class(r=4, target_modules=["to_q", "to_v"], **kw).save_pretrained(tmp_path)
+        return json.loads((tmp_path / "adapter_config.json").read_text())
+
+    spec = LoraSpec.from_dict(written(lora_alpha=8))
+    assert (spec.rank, spec.alpha, sorted(spec.target_modules)) == (4, 8.0, ["to_q", "to_v"])
+    for kw, field in [
+        ({"use_rslora": True}, "use_rslora"),
+        ({"use_dora": True}, "use_dora"),
+        ({"rank_pattern": {"to_q": 8}}, "rank_pattern"),
+        ({"alpha_pattern": {"to_q": 4}}, "alpha_pattern"),
+        ({"bias": "lora_only"}, "bias"),
+        ({"modules_to_save": ["proj_out"]}, "modules_to_save"),
+    ]:
+        with pytest.raises(ValueError, match=rf"lora_config\.{field}"):
+            LoraSpec.from_dict(written(**kw))
+    with pytest.raises(ValueError, match=r"lora_config\.peft_type"):
+        LoraSpec.from_dict(written(peft.LoHaConfig))
+
+
 def test_ensure_lora_needs_add_lora(toy):
     with pytest.raises(ValueError, match="lora_config: ToyDenoiser cannot add"):
         ensure_lora(toy, LORA)

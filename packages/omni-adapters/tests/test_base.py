@@ -291,3 +291,12 @@ def test_save_peft_adapter_folder(toy, tmp_path):
     x = torch.randn(2, 4)
     with torch.no_grad():
         torch.testing.assert_close(other.model(x), toy.model(x))
+    # and the folder is an adapter peft itself loads onto the base model
+    import peft
+
+    loaded = peft.PeftModel.from_pretrained(Toy(), out)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), toy.model(x))
+        with loaded.disable_adapter():
+            torch.testing.assert_close(loaded(x), Toy()(x))
+        assert not torch.allclose(loaded(x), Toy()(x))  # the adapter does change the output

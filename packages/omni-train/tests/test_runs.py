@@ -132,6 +132,26 @@ def test_export_peft_diffusers_and_merged(train_dict, tiny_sd3: Path, tmp_path: 
     assert main(["export", str(run), "--format", "merged", "--out", str(merged)]) == 0
     plain = from_pretrained(merged)
     assert not any("lora" in n for n, _ in plain.model.named_parameters())
+    # peft itself loads the peft export onto the base transformer: the merged model's output
+    import peft
+    import torch
+    from diffusers import SD3Transformer2DModel
+
+    base = SD3Transformer2DModel.from_pretrained(tiny_sd3 / "transformer")
+    lora = peft.PeftModel.from_pretrained(base, tmp_path / "peft")
+    c = base.config
+    g = torch.Generator().manual_seed(0)
+    inputs = {
+        "hidden_states": torch.randn(1, c.in_channels, c.sample_size, c.sample_size, generator=g),
+        "encoder_hidden_states": torch.randn(1, 8, c.joint_attention_dim, generator=g),
+        "pooled_projections": torch.randn(1, c.pooled_projection_dim, generator=g),
+        "timestep": torch.tensor([500.0]),
+    }
+    with torch.no_grad():
+        got = lora(**inputs).sample
+        torch.testing.assert_close(got, plain.model(**inputs).sample, atol=1e-4, rtol=1e-4)
+        with lora.disable_adapter():
+            assert not torch.allclose(lora(**inputs).sample, got, atol=1e-4)  # it is trained
     trained = load_policy(recipe)  # the run's policy, from its checkpoint
     ck = load_checkpoint(latest_checkpoint(run / "checkpoint"))
     load_trainable(trained, trained.named_trainable_parameters(), ck.trainable, recipe)

@@ -23,10 +23,30 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["METADATA_KEY", "LoraSpec", "ensure_lora", "lora_tensor_names"]
+__all__ = [
+    "METADATA_KEY",
+    "PEFT_SETTINGS_REFUSED",
+    "LoraSpec",
+    "ensure_lora",
+    "lora_tensor_names",
+]
 
 #: the safetensors metadata key an update carries its `LoraSpec` under (JSON)
 METADATA_KEY = "lora_config"
+
+
+#: peft `LoraConfig` fields whose non-default values change what the adapter computes (rsLoRA's
+#: alpha / sqrt(r), DoRA's magnitudes, per-module ranks and alphas, trained biases, whole
+#: modules saved beside the adapter), with the value plain LoRA has
+PEFT_SETTINGS_REFUSED: dict[str, Any] = {
+    "use_rslora": False,
+    "use_dora": False,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "bias": "none",
+    "lora_bias": False,
+    "modules_to_save": None,
+}
 
 
 @dataclass(frozen=True)
@@ -55,9 +75,24 @@ class LoraSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LoraSpec:
         """From ``{"rank", "alpha", "target_modules"}`` or peft's ``adapter_config.json`` keys
-        (``r``, ``lora_alpha``, ``target_modules``); a missing field is named."""
+        (``r``, ``lora_alpha``, ``target_modules``); a missing field is named, and so is a peft
+        setting that changes the adapter's arithmetic from plain LoRA (`PEFT_SETTINGS_REFUSED`):
+        read as plain LoRA, such an adapter would sample with the wrong weights."""
         if not isinstance(data, Mapping):
             raise ValueError(f"lora_config must be an object, got {type(data).__name__}")
+        peft_type = data.get("peft_type", "LORA")
+        if peft_type != "LORA":
+            raise ValueError(
+                f"lora_config.peft_type: only LORA adapters load here, got {peft_type!r}"
+            )
+        for key, plain in PEFT_SETTINGS_REFUSED.items():
+            value = data.get(key)
+            # absent, the plain value, or empty (false, {}, []) where that is what plain means
+            if not (value is None or value == plain or (not value and not isinstance(plain, str))):
+                raise ValueError(
+                    f"lora_config.{key}: {value!r} is not supported here (plain LoRA: "
+                    f"scale alpha / r, no bias, no DoRA; {key} must be {plain!r})"
+                )
         rank = data.get("rank", data.get("r"))
         alpha = data.get("alpha", data.get("lora_alpha"))
         if rank is None:
