@@ -97,3 +97,20 @@ def test_tiny_recipe_on_ray_validates_saves_and_resumes_after_sigkill(ray_sessio
     resumed = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     assert _det(resumed) == _det(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_tiny_recipe_on_ray_with_the_http_rollout(ray_session, tmp_path):
+    """trainer.backend ray with rollout.backend http (rollout.url null): omni-train starts a
+    `diffusion-rollout serve`, the Ray learners' LoRA reaches it every step, and validation (at
+    steps 0 and 2) samples through it too."""
+    address = ray_session.get_runtime_context().gcs_address
+    run = tmp_path / "http"
+    overrides = [o for o in OVERRIDES if not o.startswith(("trainer.steps", "trainer.save"))]
+    overrides += ["trainer.steps=2", "trainer.save_every=0", "rollout.backend=http"]
+    _finish(_cli([str(TINY_RECIPE), *overrides, f"trainer.output_dir={run}"], address))
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all("val/reward_mean" in rows[i] for i in (0, 2))
+    assert [rows[i]["weights/version"] for i in (1, 2)] == [1, 2]
