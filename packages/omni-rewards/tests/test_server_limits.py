@@ -213,38 +213,47 @@ def test_pending_pixel_budget_answers_429():
         assert first.status_code == 200 and second.status_code == 429, second.text
 
 
-def test_http_reward_waits_out_429(monkeypatch):
-    calls = []
+@pytest.mark.parametrize("call", ["sync", "async"])
+def test_http_reward_waits_out_the_servers_429(call):
+    """The real server, full (max_queue 1, one request held): the reward's request is answered
+    429 with `Retry-After: 1` and `Connection: close`, waits, tries again on a new connection
+    and is scored once the server frees up; `__call__` and `ascore` alike."""
+    gated = Gated()
+    with running(gated, max_queue=1) as (srv, _):
 
-    class Answer:
-        def __init__(self, status):
-            self.status_code = status
-            self.headers = {"retry-after": "0"} if status == 429 else {}
-            self.text = ""
+        def server_stats() -> dict:
+            return httpx.get(f"{srv.url}/stats", timeout=5).json()["server"]
 
-        def json(self):
-            return (
-                {"scores": [1.0], "details": {}} if self.status_code == 200 else {"error": "busy"}
-            )
+        def until(done) -> None:
+            deadline = time.monotonic() + 60
+            while not done(server_stats()):
+                assert time.monotonic() < deadline, server_stats()
+                time.sleep(0.05)
 
-    class FakeClient:
-        def __init__(self, **kw):
-            pass
+        body = {"images": [png((8, 8))]}
+        holder = threading.Thread(
+            target=lambda: httpx.post(f"{srv.url}/score", json=body, timeout=60)
+        )
+        holder.start()
+        until(lambda st: st["in_flight"] == 1)
+        reward = load_reward("http", url=srv.url, backoff=0.01, retries=5)
+        image = np.stack([solid((0, 0, 0))])
+        result = {}
 
-        def __enter__(self):
-            return self
+        def score() -> None:
+            if call == "sync":
+                result["out"] = reward(images=image)
+            else:
+                result["out"] = asyncio.run(reward.ascore(images=image))
 
-        def __exit__(self, *exc):
-            return False
-
-        def post(self, url, **kw):
-            calls.append(url)
-            return Answer(429 if len(calls) < 3 else 200)
-
-    client = load_reward("http", url="http://127.0.0.1:9", backoff=0.001, retries=3)
-    monkeypatch.setattr(client.httpx, "Client", FakeClient)
-    assert client(images=np.stack([solid((0, 0, 0))])).scores.tolist() == [1.0]
-    assert len(calls) == 3
+        caller = threading.Thread(target=score)
+        caller.start()
+        until(lambda st: st.get("overloaded", 0) >= 1)  # the reward's first try was refused
+        gated.gate.set()
+        caller.join(60)
+        holder.join(60)
+        assert result["out"].scores.tolist() == [0.5]
+        assert server_stats()["answered"] == 2  # the held request and the retried one
 
 
 def test_auth_before_body_read_timeout_and_connection_cap():
