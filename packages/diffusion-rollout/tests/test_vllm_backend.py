@@ -20,7 +20,6 @@ import os
 import tempfile
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -43,6 +42,7 @@ from vllm_omni.diffusion.registry import (  # noqa: E402
 )
 from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
 from vllm_omni.diffusion.worker.diffusion_model_runner import (  # noqa: E402
+    DiffusionModelRunner,
     _normalize_pipeline_outputs,
 )
 from vllm_omni.diffusion.worker.diffusion_worker import (  # noqa: E402
@@ -272,7 +272,9 @@ def extended_worker(pipeline):
     assert issubclass(cls, DiffusionWorker) and issubclass(cls, RolloutWorkerExtension)
     assert callable(cls.re_init_pipeline)  # vllm-omni calls it to build the custom pipeline
     worker = object.__new__(cls)
-    worker.model_runner = SimpleNamespace(pipeline=pipeline)
+    runner = object.__new__(DiffusionModelRunner)  # vllm-omni's runner, without its device setup
+    runner.pipeline = pipeline
+    worker.model_runner = runner
     return worker
 
 
