@@ -160,6 +160,59 @@ def test_aesthetic_head(clip_dir, tmp_path):
         load_reward("aesthetic", head=str(tmp_path / "bad.safetensors"), clip_model=clip_dir)
 
 
+def official_aesthetic_mlp(input_size: int):
+    """The MLP of christophschuhmann/improved-aesthetic-predictor (`simple_inference.py`): its
+    `layers` Sequential, layer order, widths and dropouts as released (the ReLUs commented out
+    there), for an embedding of `input_size` (768 for the released CLIP ViT-L/14 heads)."""
+    from torch import nn
+
+    mlp = nn.Module()
+    mlp.layers = nn.Sequential(
+        nn.Linear(input_size, 1024),
+        nn.Dropout(0.2),
+        nn.Linear(1024, 128),
+        nn.Dropout(0.2),
+        nn.Linear(128, 64),
+        nn.Dropout(0.1),
+        nn.Linear(64, 16),
+        nn.Linear(16, 1),
+    )
+    return mlp
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_released_aesthetic_pth_converts_and_scores_as_the_official_mlp(
+    clip_dir, tmp_path, wrapped
+):
+    """A `.pth` in the released head's layout (`torch.save(model.state_dict())`, keys
+    layers.0/2/4/6/7; also wrapped as {"state_dict": DataParallel's module.* keys}) goes
+    through `omni-rewards convert aesthetic`, and the reward scores as the official MLP does on
+    the unit-normalised CLIP image embedding (simple_inference.py normalises it)."""
+    import torch
+
+    from omni_rewards.cli import main
+
+    torch.manual_seed(0)
+    mlp = official_aesthetic_mlp(16).eval()  # the tiny CLIP's projection width
+    state = mlp.state_dict()
+    assert sorted({k.split(".")[1] for k in state}) == ["0", "2", "4", "6", "7"]
+    if wrapped:
+        state = {"state_dict": {f"module.{k}": v for k, v in state.items()}}
+    torch.save(state, tmp_path / "sac+logos+ava1-l14-linearMSE.pth")
+    dst = tmp_path / "aesthetic.safetensors"
+    assert (
+        main(["convert", "aesthetic", str(tmp_path / "sac+logos+ava1-l14-linearMSE.pth"), str(dst)])
+        == 0
+    )
+    r = load_reward("aesthetic", head=str(dst), clip_model=clip_dir)
+    imgs = [noise(0), noise(1), solid((200, 30, 30))]
+    emb = r.encoder.encode_images(imgs)
+    torch.testing.assert_close(emb.norm(dim=-1), torch.ones(3))
+    with torch.no_grad():
+        want = mlp.layers(emb).squeeze(-1).numpy()
+    np.testing.assert_allclose(r(images=imgs).scores, want, rtol=1e-5, atol=1e-6)
+
+
 def test_pickscore_release_layout_without_tokenizer(tmp_path):
     """PickScore_v1 is a CLIPModel folder (config.json + model.safetensors) without tokenizer
     files; the reward takes the processor's tokenizer (option, default the laion repo)."""
@@ -198,3 +251,25 @@ def test_hf_checkpoints_load_strictly_and_never_unpickle(tmp_path, clip_dir):
     torch.save(sd, str(pickled / "pytorch_model.bin"))
     with pytest.raises(ValueError, match="from safetensors"):
         load_reward("clip_score", model=str(pickled))
+
+
+def test_convert_state_dict_keeps_names_and_refuses_what_is_not_a_tensor(tmp_path):
+    """`omni-rewards convert state-dict`: any torch state dict to safetensors under its own
+    names, the {"state_dict"} wrapper and DataParallel's `module.` prefix removed; a value that
+    is not a tensor is named, and nothing is written."""
+    import torch
+    from safetensors.torch import load_file
+
+    from omni_rewards.cli import main
+
+    a, b = torch.randn(3, 2), torch.arange(4)
+    torch.save({"state_dict": {"module.enc.weight": a, "module.step": b}}, tmp_path / "m.pt")
+    dst = tmp_path / "m.safetensors"
+    assert main(["convert", "state-dict", str(tmp_path / "m.pt"), str(dst)]) == 0
+    out = load_file(dst)
+    assert sorted(out) == ["enc.weight", "step"]
+    assert torch.equal(out["enc.weight"], a) and torch.equal(out["step"], b)
+    torch.save({"enc.weight": a, "note": "text"}, tmp_path / "bad.pt")
+    bad = tmp_path / "bad.safetensors"
+    assert main(["convert", "state-dict", str(tmp_path / "bad.pt"), str(bad)]) != 0
+    assert not bad.exists()
