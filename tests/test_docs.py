@@ -152,3 +152,28 @@ def test_architecture_lists_an_entry_for_each_package() -> None:
         "omni_train",
     }
     assert len(_api_entries()) >= 20
+
+
+def _table_after(doc: str, heading: str) -> list[list[str]]:
+    """The cells of the first Markdown table under ``heading``, header row first."""
+    lines = doc.splitlines()
+    i = lines.index(heading) + 1
+    while not lines[i].startswith("|"):
+        i += 1
+    rows = []
+    while i < len(lines) and lines[i].startswith("|"):
+        rows.append([c.strip() for c in lines[i].strip().strip("|").split(" | ")])
+        i += 1
+    return [rows[0], *rows[2:]]  # without the |---| line
+
+
+def test_models_support_matrix_has_a_row_per_tiny_family() -> None:
+    """docs/models.md's support matrix: one row per family `omni_adapters.tiny` builds, each
+    with as many cells as the header (a later table once overwrote its rows)."""
+    from omni_adapters import tiny
+
+    header, *rows = _table_after((REPO / "docs" / "models.md").read_text(), "## Support matrix")
+    assert header[0] == "family" and len(header) == 8
+    assert all(len(r) == len(header) for r in rows), [r[0] for r in rows if len(r) != 8]
+    named = {r[0].split("`")[1] for r in rows}
+    assert named == set(tiny.families())
