@@ -50,6 +50,40 @@ def test_matches_the_diffusers_pipeline(tiny_path, sd3):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_without_t5_matches_the_diffusers_pipeline(tiny_path, tmp_path):
+    """A folder saved without T5 (diffusers writes `text_encoder_3: [null, null]`, as
+    SD3-medium's `text_encoder_3=None` loading does): the adapter loads it and samples what
+    diffusers' own pipeline samples, its T5 part of the embedding zeros as there."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(
+        tiny_path("sd3"), text_encoder_3=None, tokenizer_3=None
+    )
+    folder = tmp_path / "sd3-no-t5"
+    pipe.save_pretrained(folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["text_encoder_3"] == [None, None] and not (folder / "text_encoder_3").exists()
+    model = omni_adapters.from_pretrained(folder)
+    c = model.encode(["a red cube"])
+    # CLIP's 16 tokens, then the pipeline's default max_sequence_length (256) of T5 zeros
+    assert c["prompt_embeds"].shape == (1, 16 + 256, 48)
+    assert torch.count_nonzero(c["prompt_embeds"][:, 16:]) == 0
+    p = Params(num_steps=3, guidance_scale=3.0)
+    x0 = model.init_latents(1, p, generators([0]))
+    ours = euler_sample(model, p, ["a red cube"], x0)
+    ref = pipe(
+        "a red cube",
+        negative_prompt="",
+        height=32,
+        width=32,
+        num_inference_steps=3,
+        guidance_scale=3.0,
+        latents=x0.clone(),
+        output_type="latent",
+    ).images
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_build_is_deterministic_per_seed(tmp_path, tiny_path):
     from safetensors.torch import load_file
 
