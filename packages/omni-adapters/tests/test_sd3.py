@@ -27,15 +27,12 @@ def test_build_writes_a_diffusers_pipeline_folder(tiny_path):
     assert not list(root.rglob("*.bin")) and not list(root.rglob("*.pkl"))
 
 
-def test_matches_the_diffusers_pipeline(tiny_path, sd3):
-    """Same latents in, same latents out: encode, sigmas, timestep scale and CFG all agree
-    with diffusers' own StableDiffusion3Pipeline on the tiny folder."""
-    from diffusers import StableDiffusion3Pipeline
-
+def assert_samples_as_the_pipeline(model, pipe, **pipe_kwargs) -> None:
+    """3 Euler steps with guidance 3 from the same initial latents: the adapter's latents equal
+    those of diffusers' `pipe`."""
     p = Params(num_steps=3, guidance_scale=3.0)
-    x0 = sd3.init_latents(1, p, generators([0]))
-    ours = euler_sample(sd3, p, ["a red cube"], x0)
-    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_path("sd3"))
+    x0 = model.init_latents(1, p, generators([0]))
+    ours = euler_sample(model, p, ["a red cube"], x0)
     ref = pipe(
         "a red cube",
         negative_prompt="",
@@ -44,10 +41,19 @@ def test_matches_the_diffusers_pipeline(tiny_path, sd3):
         num_inference_steps=3,
         guidance_scale=3.0,
         latents=x0.clone(),
-        max_sequence_length=16,
         output_type="latent",
+        **pipe_kwargs,
     ).images
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_matches_the_diffusers_pipeline(tiny_path, sd3):
+    """Same latents in, same latents out: encode, sigmas, timestep scale and CFG all agree
+    with diffusers' own StableDiffusion3Pipeline on the tiny folder."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_path("sd3"))
+    assert_samples_as_the_pipeline(sd3, pipe, max_sequence_length=16)
 
 
 def test_without_t5_matches_the_diffusers_pipeline(tiny_path, tmp_path):
@@ -68,20 +74,7 @@ def test_without_t5_matches_the_diffusers_pipeline(tiny_path, tmp_path):
     # CLIP's 16 tokens, then the pipeline's default max_sequence_length (256) of T5 zeros
     assert c["prompt_embeds"].shape == (1, 16 + 256, 48)
     assert torch.count_nonzero(c["prompt_embeds"][:, 16:]) == 0
-    p = Params(num_steps=3, guidance_scale=3.0)
-    x0 = model.init_latents(1, p, generators([0]))
-    ours = euler_sample(model, p, ["a red cube"], x0)
-    ref = pipe(
-        "a red cube",
-        negative_prompt="",
-        height=32,
-        width=32,
-        num_inference_steps=3,
-        guidance_scale=3.0,
-        latents=x0.clone(),
-        output_type="latent",
-    ).images
-    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    assert_samples_as_the_pipeline(model, pipe)  # the pipeline's default T5 length
 
 
 def test_build_is_deterministic_per_seed(tmp_path, tiny_path):
