@@ -179,3 +179,7 @@ def test_threads_auto_is_refused_where_it_does_not_apply(train_dict):
     d["trainer"].update(mode="sync", threads=0)
     with pytest.raises(RecipeError, match=r"trainer\.threads"):
         recipe_from_dict(d)
+    d["trainer"].update(threads="auto")
+    d["model"]["device"] = "cuda"  # CoreShare measures CPU cores: nothing to follow on a GPU
+    with pytest.raises(RecipeError, match=r"trainer\.threads: `auto`.*model\.device cuda"):
+        recipe_from_dict(d)

@@ -125,7 +125,8 @@ def test_auto_run_trains_like_the_default(train_dict, tmp_path: Path):
     [
         ("many", "local", "algorithm.rows_per_forward"),
         (0, "local", "algorithm.rows_per_forward"),
-        ("auto", "verl", "algorithm.rows_per_forward: auto sizes the local and ray backends"),
+        ("auto", "verl", "algorithm.rows_per_forward: sizes the local and ray backends"),
+        (4, "verl", "algorithm.rows_per_forward: sizes the local and ray backends"),
     ],
 )
 def test_bad_rows_per_forward_is_refused(train_dict, value, backend, message):

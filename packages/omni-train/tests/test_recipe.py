@@ -164,6 +164,11 @@ def test_algorithm_table_refuses_what_does_not_run(recipe_dict, name) -> None:
         ),
         ({"trainer": {"backend": "ray"}, "optimizer": {"ema_decay": 0.9}}, "optimizer.ema_decay"),
         ({"trainer": {"mode": "async"}, "optimizer": {"ema_decay": 0.9}}, "optimizer.ema_decay"),
+        # a remote rollout holds the live weights: validation would not sample the EMA
+        (
+            {"rollout": {"backend": "http"}, "optimizer": {"ema_decay": 0.9}},
+            "optimizer.ema_decay",
+        ),
         (
             {"algorithm": {"name": "diffusion_dpo", "rollout_correction": "decoupled"}},
             "algorithm.rollout_correction",

@@ -9,6 +9,7 @@ They are skipped only where verl cannot be imported; the full run is a `gpu` tes
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -210,6 +211,28 @@ def test_adv_std_global_is_refused_on_verl(tmp_path):
         omni_recipe(tmp_path, algorithm={"adv_std": "global"})
     cfg = vb.build_verl_config(omni_recipe(tmp_path, algorithm={"adv_std": "none"}))
     assert cfg["algorithm"]["norm_adv_by_std_in_grpo"] is False
+
+
+@pytest.mark.parametrize(
+    "over,key",
+    [
+        ({"algorithm": {"rows_per_forward": 4}}, "algorithm.rows_per_forward"),
+        ({"optimizer": {"scheduler": {"name": "cosine"}}}, "optimizer.scheduler"),
+        ({"optimizer": {"scheduler": {"warmup_steps": 10}}}, "optimizer.scheduler"),
+        ({"optimizer": {"eps": 1e-6}}, "optimizer.eps"),
+        ({"lora": {"enabled": False, "full_regex": ".*q_proj.*"}}, "lora.full_regex"),
+        (
+            {"reward": {"name": None, "terms": [{"name": "math", "weight": 1.0}]}},
+            "reward.terms",
+        ),
+        ({"data": {"task": None, "prompts": ["2+2?"]}}, "data.prompts"),
+    ],
+)
+def test_what_verl_is_not_handed_is_refused_when_the_recipe_is_built(tmp_path, over, key):
+    """Settings build_verl_config has no verl key for are refused by name at load time
+    (and so by `omni-train validate`), not ignored or refused only when the run starts."""
+    with pytest.raises(RecipeError, match=re.escape(key)):
+        omni_recipe(tmp_path, **over)
 
 
 def _micro_batches(seed=2, B=8, T=6):

@@ -599,10 +599,14 @@ class Recipe(_Section):
             problems.append(unknown_name("algorithm.name", "algorithm", a.name, ALGORITHMS))
         else:
             problems.extend(self._algorithm_problems(row))
-        if t.threads == "auto" and (t.backend != "local" or t.mode != "sync" or self.is_omni()):
+        on_cpu = self.model.device == "cpu"
+        if t.threads == "auto" and (
+            t.backend != "local" or t.mode != "sync" or self.is_omni() or not on_cpu
+        ):
             problems.append(
                 "trainer.threads: `auto` follows the load on the local backend in sync mode "
-                f"for diffusion models; this recipe has backend {t.backend}, mode {t.mode}"
+                f"for diffusion models on a CPU; this recipe has backend {t.backend}, mode "
+                f"{t.mode}, model.device {self.model.device}"
                 + (", an omni model" if self.is_omni() else "")
                 + ": give a number or null"
             )
@@ -643,6 +647,12 @@ class Recipe(_Section):
                 problems.append(
                     "optimizer.ema_decay: EMA weights run with trainer.backend local and "
                     "trainer.mode sync (the EMA lives on the trainer's module)"
+                )
+            if rb != "embedded":
+                problems.append(
+                    f"optimizer.ema_decay: validation samples the EMA weights on the trainer's "
+                    f"own module; a {rb} rollout holds the pushed live weights, so it would "
+                    "validate those instead: use rollout.backend embedded"
                 )
         if a.kl_beta > 0 and not self.lora.enabled:
             problems.append(
@@ -729,24 +739,58 @@ class Recipe(_Section):
                 f"algorithm.kl_beta: {a.name} has its own reference term "
                 "(diffusion_nft: algorithm.options.kl_weight; diffusion_dpo: options.beta)"
             )
-        if t.backend == "verl" and a.rows_per_forward == "auto":
-            out.append(
-                "algorithm.rows_per_forward: auto sizes the local and ray backends' forwards; "
-                "verl sizes its own micro-batches (its actor.use_dynamic_bsz, through "
-                "trainer.verl)"
-            )
         if a.reuse_rollout_forward is True:
             out.extend(self._reuse_rollout_forward_problems(row))
-        if t.backend == "verl" and a.adv_std == "global":
+        if t.backend == "verl":
+            out.extend(self._verl_problems())
+        return out
+
+    def _verl_problems(self) -> list[str]:
+        """What `trainer.backend: verl` cannot hand to verl 0.9 (omni_train.backends.
+        verl_backend.build_verl_config maps the rest): refused by key rather than ignored."""
+        a, o, d = self.algorithm, self.optimizer, self.data
+        out = []
+        if a.rows_per_forward is not None:
+            out.append(
+                "algorithm.rows_per_forward: sizes the local and ray backends' forwards; verl "
+                "sizes its own micro-batches (its actor.use_dynamic_bsz or "
+                "ppo_micro_batch_size_per_gpu, through trainer.verl): set it null"
+            )
+        if a.adv_std == "global":
             out.append(
                 "algorithm.adv_std: verl's advantage estimators divide by each group's std or "
                 "by none (its algorithm.norm_adv_by_std_in_grpo); use group or none, or "
                 "trainer.backend local or ray for global"
             )
-        if t.backend == "verl" and self.rollout.allowed_tokens:
+        if self.rollout.allowed_tokens:
             out.append(
                 "rollout.allowed_tokens: verl's rollout engines sample without a token mask; "
                 "use trainer.backend local or ray"
+            )
+        if self.reward.name is None:
+            out.append("reward.terms: backend verl takes one named reward (reward.name)")
+        if d.prompts is not None:
+            out.append(
+                "data.prompts: the omni path needs reference answers; use `data.file` (JSONL "
+                "rows with prompt, answer, image) or `data.task`"
+            )
+        elif d.task is None and d.file is None:
+            out.append("data.task / data.file: backend verl needs one of them")
+        if o.scheduler.name != "constant" or o.scheduler.warmup_steps:
+            out.append(
+                "optimizer.scheduler: not handed to verl; set verl's own schedule through "
+                "trainer.verl (actor_rollout_ref.actor.optim.lr_scheduler_type, "
+                "lr_warmup_steps) and keep the scheduler constant without warmup here"
+            )
+        if o.eps != OptimizerConfig.model_fields["eps"].default:
+            out.append(
+                "optimizer.eps: not handed to verl; set it through trainer.verl "
+                "(actor_rollout_ref.actor.optim.override_optimizer_config)"
+            )
+        if not self.lora.enabled and self.lora.full_regex is not None:
+            out.append(
+                "lora.full_regex: verl trains every weight of the actor without LoRA; it "
+                "cannot train a subset"
             )
         return out
 

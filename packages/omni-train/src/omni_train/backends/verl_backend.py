@@ -97,29 +97,6 @@ def verl_available() -> bool:
 # config
 
 
-def _omni_checks(recipe: Recipe) -> None:
-    if recipe.algorithm.name not in LOSS_NAMES:
-        raise RecipeError(
-            f"algorithm.name: backend verl runs the omni path with {sorted(LOSS_NAMES)}, "
-            f"got {recipe.algorithm.name!r}"
-        )
-    if recipe.reward.name is None:
-        raise RecipeError("reward.name: backend verl takes one named reward (not reward.terms)")
-    if recipe.rollout.allowed_tokens:
-        raise RecipeError(
-            "rollout.allowed_tokens: backend verl cannot constrain decoding (verl's rollout "
-            "samples from the whole vocabulary); remove it or use trainer.backend: local"
-        )
-    d = recipe.data
-    if d.prompts is not None:
-        raise RecipeError(
-            "data.prompts: the omni path needs reference answers; use `data.file` (JSONL "
-            "rows with prompt, answer, image) or `data.task`"
-        )
-    if d.task is None and d.file is None:
-        raise RecipeError("data.task / data.file: backend verl needs one of them")
-
-
 def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
     node = cfg
     parts = dotted.split(".")
@@ -156,7 +133,7 @@ def build_verl_config(
     priority, not Ray's niceness 15; verl merges it onto its own runtime environment). Finally
     every `trainer.verl` entry (dotted key -> value) is set on top.
     """
-    _omni_checks(recipe)
+    # what verl cannot take is refused when the recipe is built (Recipe._verl_problems)
     r = recipe
     a = r.algorithm
     run = Path(run_dir) if run_dir is not None else r.output_dir()
@@ -547,7 +524,7 @@ def omni_items(recipe: Recipe) -> tuple[list[OmniItem], list[OmniItem]]:
     """(train, val) items of the omni path, read as the local omni loop reads them: the
     generated `data.task` (its train and held-out val splits) or the JSONL `data.file`
     (validation: `data.val_file`, else its first `data.val_size` rows)."""
-    _omni_checks(recipe)
+
     d, seed = recipe.data, recipe.trainer.seed
     opts = dict(d.task_options)
     train = load_items(d.task, d.file, "train", d.task_size, seed, opts, "data.file")
@@ -619,7 +596,7 @@ def export_thinker(recipe: Recipe, out: Path) -> str:
 def run_verl(recipe: Recipe, run_dir: str | Path | None = None) -> list[dict[str, Any]]:
     """Start verl's PPO trainer on the omni path of `recipe` (returns no per-step rows: verl
     logs them itself, under `trainer.logger`)."""
-    _omni_checks(recipe)
+
     if not verl_available():
         raise TrainError(
             "trainer.backend: 'verl' needs verl, which pins transformers < 5.11: create its own "
