@@ -24,7 +24,7 @@ pytest.importorskip("httpx")
 TIMING = ("timing/", "perf/")
 
 
-def _recipe(tmp: Path, model: Path, **rollout) -> dict:
+def _recipe(tmp: Path, model: Path, trainer: dict | None = None, **rollout) -> dict:
     return {
         "experiment": "http",
         "model": {"path": str(model), "tiny": "sd3"},
@@ -42,7 +42,13 @@ def _recipe(tmp: Path, model: Path, **rollout) -> dict:
         "reward": {"name": "brightness"},
         "algorithm": {"name": "flow_grpo", "clip_range": 0.2},
         "optimizer": {"lr": 2e-2},
-        "trainer": {"steps": 3, "progress": False, "sample_every": 0, "output_dir": str(tmp)},
+        "trainer": {
+            "steps": 3,
+            "progress": False,
+            "sample_every": 0,
+            "output_dir": str(tmp),
+            **(trainer or {}),
+        },
     }
 
 
@@ -98,17 +104,46 @@ def _det(rows):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_http_rollout_trains_like_the_embedded_engine(tmp_path, tiny_sd3):
-    embedded = train(recipe_from_dict(_recipe(tmp_path / "e", tiny_sd3)))
+def test_http_rollout_trains_like_the_embedded_engine(tmp_path, tiny_sd3, monkeypatch):
+    """The same run on a server the user started (rollout.url) and on the embedded engine,
+    killed after its third step and resumed against the same server, which outlived the
+    killed run: versions only go up there, so the resumed run's pushes are shifted past the
+    version the server holds, and the run ends as the embedded one does. A new run on that
+    server, which holds the earlier run's weights, is refused by name."""
+    from omni_train import resume
+    from omni_train.logger import read_metrics
+    from omni_train.loops.diffusion import DiffusionLoop
+
+    common = {"steps": 4, "save_every": 2}
+    embedded = train(recipe_from_dict(_recipe(tmp_path / "e", tiny_sd3, trainer=common)))
     url, proc = _serve(tiny_sd3)
+    run = tmp_path / "h"
+    orig = DiffusionLoop.train_step
+
+    def dying(self, step, rollout):
+        row = orig(self, step, rollout)
+        if step == 2:  # pushed version 3; the last checkpoint holds version 2
+            raise KeyboardInterrupt
+        return row
+
     try:
-        served = train(recipe_from_dict(_recipe(tmp_path / "h", tiny_sd3, backend="http", url=url)))
+        recipe = recipe_from_dict(_recipe(run, tiny_sd3, common, backend="http", url=url))
+        monkeypatch.setattr(DiffusionLoop, "train_step", dying)
+        with pytest.raises(KeyboardInterrupt):
+            train(recipe)
+        monkeypatch.setattr(DiffusionLoop, "train_step", orig)
+        resume(run)  # the server holds 3; the checkpoint's 2 goes to it as 4, then 5, 6
+        with pytest.raises(TrainError, match=r"rollout\.url: .*already holds weights version 6"):
+            train(recipe_from_dict(_recipe(tmp_path / "new", tiny_sd3, backend="http", url=url)))
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    assert [r["weights/version"] for r in served] == [1, 2, 3]
+    served = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in served] == [1, 2, 3, 4]
+    assert [r["weights/version"] for r in served] == [1, 2, 3, 4]
+    assert [r["rollout/version"] for r in served] == [0, 1, 2, 3]  # the run's own numbering
     # same seeds, same weights: the same trajectories, so the same rewards and updates
-    for a, b in zip(embedded, served):
+    for a, b in zip(embedded, served, strict=True):
         for k in (
             "reward/mean",
             "reward/std",

@@ -161,7 +161,8 @@ class RolloutConfig(_Section):
         None,
         description="http: the rollout server's base URL; null = omni-train starts "
         "`diffusion-rollout serve` for the recipe's model on a free loopback port and stops it "
-        "with the run.",
+        "with the run. A server of your own may outlive a run: a resumed run continues on it; "
+        "a new run needs one nobody has pushed weights to.",
     )
     n: int = Field(8, ge=2, description="Samples per prompt (the GRPO group size).")
     max_num_seqs: int = Field(16, ge=1, description="Max rows packed into one forward.")

@@ -10,11 +10,18 @@ trajectories out, and versioned weight sync. The first push carries the LoRA con
 alpha, targets) so the served model adds the adapter the tensors fill. A server that stops
 answering is retried by the client and then reported as one `TrainError` naming
 `rollout.backend`; nothing waits forever.
+
+A server the user started outlives runs. Its versions only go up, so a run resumed against
+it (the server already at the killed run's last push, or past the checkpoint's version) has
+its versions shifted past the server's at its first push, and shifted back on the
+trajectories: the run sees its own numbering. A new run, which starts from the base model,
+refuses a server that already holds pushed weights (they are an earlier run's policy).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import subprocess
@@ -41,11 +48,26 @@ class RemoteRollout:
         self.lora_config = lora_config
         self._forwards = self._rows = 0
         self.closers: list[Any] = []
+        #: the server's version minus the run's, fixed at the first push (None before it)
+        self._shift: int | None = None
 
     def _fail(self, what: str, exc: BaseException) -> TrainError:
         return TrainError(f"rollout.backend: {what} on {self.where} failed: {exc}")
 
+    def _served_version(self) -> int:
+        try:
+            return int(self.target.version)
+        except Exception as exc:
+            raise self._fail("reading the served weights version", exc) from None
+
     def generate_many(self, requests: list[Any]) -> list[Any]:
+        if self._shift is None and (served := self._served_version()) > 0:
+            raise TrainError(
+                f"rollout.url: the server at {self.where} already holds weights version "
+                f"{served}, pushed by an earlier run; this run starts from the base model, so "
+                "it needs a server nobody has pushed to: restart it, or set rollout.url: null "
+                "to have omni-train start one"
+            )
         try:
             before = self.target.stats()
             trajs = self.target.generate_many(requests)
@@ -56,6 +78,8 @@ class RemoteRollout:
             raise self._fail(f"the rollout of {len(requests)} requests", exc) from None
         self._forwards += int(after.get("forwards", 0) - before.get("forwards", 0))
         self._rows += int(after.get("rows", 0) - before.get("rows", 0))
+        if self._shift:  # back to the run's own version numbers
+            trajs = [dataclasses.replace(t, version=t.version - self._shift) for t in trajs]
         return trajs
 
     def update_weights(self, tensors: Any, version: int) -> None:
@@ -64,8 +88,10 @@ class RemoteRollout:
         kw: dict[str, Any] = {}
         if self.lora_config is not None:
             kw["lora_config"] = self.lora_config  # the server adds the adapter first
+        if self._shift is None:  # past what the server holds: its versions only go up
+            self._shift = max(0, self._served_version() + 1 - version)
         try:
-            self.target.update_weights(tensors, version, **kw)
+            self.target.update_weights(tensors, version + self._shift, **kw)
         except Exception as exc:
             raise self._fail(f"the weight push of version {version}", exc) from None
         self.lora_config = None
@@ -75,7 +101,7 @@ class RemoteRollout:
 
     @property
     def version(self) -> int:
-        return int(self.target.version)
+        return self._served_version() - (self._shift or 0)
 
     def close(self) -> None:
         for close in reversed(self.closers):
