@@ -68,9 +68,13 @@ def test_staleness_stats():
 
 
 def _timed_run(r, tmp):
-    """Train with the ports' rollout and update wrapped to record (start, end) per step."""
+    """Train with the ports' rollout and update wrapped to record (start, end) per step (the
+    validation's rollouts, made on the loop's thread beside the prefetch, are not recorded)."""
+    import threading
+
     ports = make_ports(r)
     spans: dict[str, list[tuple[float, float]]] = {"rollout": [], "update": []}
+    validating: set[int] = set()  # threads inside the loop's validate()
 
     def timed(kind, fn):
         def wrapper(*args, **kwargs):
@@ -78,20 +82,34 @@ def _timed_run(r, tmp):
             try:
                 return fn(*args, **kwargs)
             finally:
-                spans[kind].append((t0, time.monotonic()))
+                if threading.get_ident() not in validating:
+                    spans[kind].append((t0, time.monotonic()))
 
         return wrapper
 
     ports.rollout.generate_many = timed("rollout", ports.rollout.generate_many)
     ports.learner.update = timed("update", ports.learner.update)
+    loop = DiffusionLoop(r, ports, tmp / "run")
+    validate = loop.validate
+
+    def validate_marked(step):
+        validating.add(threading.get_ident())
+        try:
+            return validate(step)
+        finally:
+            validating.discard(threading.get_ident())
+
+    loop.validate = validate_marked
     try:
-        rows = DiffusionLoop(r, ports, tmp / "run").train()
+        rows = loop.train()
     finally:
         ports.close()
     return rows, spans
 
 
 def _check(rows, spans):
+    # validation ran at step 0 (the baseline, beside the first prefetch) and after step 2
+    assert "val/reward_mean" in rows[1] and np.isfinite(rows[1]["val/reward_mean"])
     stale = [r["async/staleness_max"] for r in rows]
     assert stale == [0.0, 1.0, 1.0]
     assert rows[1]["rollout/version"] == 0  # step 1 was rolled out before update 0 landed
@@ -106,12 +124,12 @@ def _check(rows, spans):
 
 
 def test_async_on_the_local_backend_overlaps(tmp_path, tiny_sd3):
-    rows, spans = _timed_run(recipe(tmp_path, tiny_sd3), tmp_path)
+    rows, spans = _timed_run(recipe(tmp_path, tiny_sd3, val_every=2), tmp_path)
     _check(rows, spans)
 
 
 def test_async_on_ray_overlaps(ray_session, tmp_path, tiny_sd3):
-    r = recipe(tmp_path, tiny_sd3, backend="ray", num_workers=1)
+    r = recipe(tmp_path, tiny_sd3, backend="ray", num_workers=1, val_every=2)
     rows, spans = _timed_run(r, tmp_path)
     _check(rows, spans)
 
