@@ -101,16 +101,32 @@ def test_tiny_recipe_on_ray_validates_saves_and_resumes_after_sigkill(ray_sessio
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_tiny_recipe_on_ray_with_the_http_rollout(ray_session, tmp_path):
-    """trainer.backend ray with rollout.backend http (rollout.url null): omni-train starts a
-    `diffusion-rollout serve`, the Ray learners' LoRA reaches it every step, and validation (at
-    steps 0 and 2) samples through it too."""
+def test_tiny_recipe_on_ray_full_finetune_guided_with_the_http_rollout(ray_session, tmp_path):
+    """trainer.backend ray with rollout.backend http (rollout.url null), training a block of
+    the transformer without LoRA, with guidance (as bagel_pickscore_flowgrpo trains on Ray):
+    omni-train starts a `diffusion-rollout serve`, the FSDP ranks' full-weight shards are put
+    together and reach it every step, validation (at steps 0 and 2) samples through it, and
+    the checkpoint holds the gathered block with its AdamW moments."""
     address = ray_session.get_runtime_context().gcs_address
     run = tmp_path / "http"
     overrides = [o for o in OVERRIDES if not o.startswith(("trainer.steps", "trainer.save"))]
-    overrides += ["trainer.steps=2", "trainer.save_every=0", "rollout.backend=http"]
+    overrides += [
+        "trainer.steps=2",
+        "trainer.save_every=2",
+        "rollout.backend=http",
+        "rollout.guidance_scale=2.0",
+        "lora.enabled=false",
+        r"lora.full_regex=.*transformer_blocks\.1\..*",
+    ]
     _finish(_cli([str(TINY_RECIPE), *overrides, f"trainer.output_dir={run}"], address))
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all("val/reward_mean" in rows[i] for i in (0, 2))
     assert [rows[i]["weights/version"] for i in (1, 2)] == [1, 2]
+    ck = run / "checkpoint" / "step_0002"
+    with safe_open(str(ck / "trainable.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert names and all(n.startswith("transformer_blocks.1.") for n in names), names[:5]
+    with safe_open(str(ck / "optimizer.safetensors"), "pt") as f:
+        moments = f.keys()
+    assert any(k.endswith("exp_avg_sq") for k in moments)
