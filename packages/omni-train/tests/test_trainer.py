@@ -523,3 +523,24 @@ def test_reward_overlaps_the_rollout_and_scores_the_same(train_dict, tmp_path, m
             assert [n for _, n in calls] == [8]
     for k in ("reward/mean", "reward/std", "loss"):
         assert rows[True][k] == pytest.approx(rows[False][k], abs=1e-7), k
+
+
+def test_cps_rollout_replays_and_epochs_take_an_optimizer_step_each(train_dict, tmp_path) -> None:
+    """Through the whole loop: CPS log-probs (`rollout.sde_kind: cps`) are the ones the update
+    recomputes, and `algorithm.epochs: 2` passes over the batch twice, one AdamW step each
+    (the checkpoint's optimizer state counts them)."""
+    from safetensors.torch import load_file
+
+    d = train_dict(
+        rollout={"sde_kind": "cps"},
+        algorithm={"epochs": 2, "clip_range": 0.2},
+        trainer={"steps": 1, "save_every": 1, "sample_every": 0},
+    )
+    recipe = recipe_from_dict(d)
+    (row,) = train(recipe)
+    assert row["rollout/logprob_diff_max"] < 1e-4 and np.isfinite(row["loss"])
+    moments = load_file(
+        Path(recipe.trainer.output_dir) / "checkpoint/step_0001/optimizer.safetensors"
+    )
+    steps = {float(v) for k, v in moments.items() if k.endswith(".step")}
+    assert steps == {2.0}, steps
