@@ -192,3 +192,26 @@ def test_omni_variants_train_end_to_end(tiny_thinker, tmp_path: Path, variant) -
     assert [k for k, v in params.items() if not torch.equal(v, before[k])]
     if variant == "full":
         assert params and all("layers.1.self_attn.q_proj." in k for k in params), list(params)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_omni_on_ray_trains_as_on_the_local_backend(ray_session, tiny_thinker, tmp_path) -> None:
+    """The omni loop on trainer.backend ray (the thinker's rollout worker pool with constrained
+    decoding, an FSDP learner, validation through the pool, a checkpoint) gives the local
+    backend's metrics, step for step."""
+    common = {"val_every": 2, "save_every": 2, "threads": 1}
+    allowed = {"allowed_tokens": ["A", "B", "C", "D"]}
+    runs = {}
+    for backend in ("local", "ray"):
+        trainer = {**common, "backend": backend, "output_dir": str(tmp_path / backend)}
+        if backend == "ray":
+            trainer["num_workers"] = 1
+        d = _omni_dict(tmp_path, tiny_thinker, rollout=allowed, trainer=trainer)
+        runs[backend] = train(recipe_from_dict(d))
+        assert (tmp_path / backend / "checkpoint" / "step_0002" / "state.json").is_file()
+    keys = ("loss", "reward/mean", "rollout/logprob_abs_diff_max", "actor/ppo_kl")
+    for a, b in zip(runs["local"], runs["ray"], strict=True):
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], abs=1e-6), (k, a[k], b[k])
+    assert runs["ray"][1]["val/reward_mean"] == runs["local"][1]["val/reward_mean"]
