@@ -1,6 +1,8 @@
 """The tiny random SD3 recipe on trainer.backend ray, end to end through the CLI: validation,
 sample grids, checkpoints with the optimizer state, and a SIGKILLed run resumed (`omni-train
-resume`) on the backend it ran on ends with the metrics of the uninterrupted run.
+resume`) on the backend it ran on ends with the metrics of the uninterrupted run (as MixGRPO,
+whose window moves every step); and FlowGRPO with the http rollout, full fine-tuning and
+guidance.
 
 The runs connect to the test session's Ray cluster (RAY_ADDRESS), so killing a run's driver
 takes its actors with it and leaves the cluster for the next run.
@@ -59,14 +61,24 @@ def _finish(proc: subprocess.Popen, timeout: float = 1200) -> str:
     return out
 
 
+#: MixGRPO with its window moving every step: the rollout workers get each step's window,
+#: and a resumed run must put it where the uninterrupted run had it
+MIX_GRPO = [
+    "algorithm.name=mix_grpo",
+    "rollout.sde_window_size=1",
+    "algorithm.mix_window.shift_interval=1",
+]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # three CLI runs, each starting Python, torch and five Ray workers
 def test_tiny_recipe_on_ray_validates_saves_and_resumes_after_sigkill(ray_session, tmp_path):
     address = ray_session.get_runtime_context().gcs_address
     full = tmp_path / "full"
-    _finish(_cli([str(TINY_RECIPE), *OVERRIDES, f"trainer.output_dir={full}"], address))
+    _finish(_cli([str(TINY_RECIPE), *OVERRIDES, *MIX_GRPO, f"trainer.output_dir={full}"], address))
     rows = read_metrics(full / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # 0: the validation baseline
+    assert [r["rollout/window_start"] for r in rows[1:]] == [0.0, 1.0, 2.0, 3.0]
     assert all("val/reward_mean" in rows[i] for i in (0, 2, 4))
     assert (full / "samples" / "val_step_0002.png").is_file()
     assert (full / "samples" / "step_0001.png").is_file()
@@ -78,7 +90,7 @@ def test_tiny_recipe_on_ray_validates_saves_and_resumes_after_sigkill(ray_sessio
         assert any(k.endswith("exp_avg_sq") for k in names)
 
     run = tmp_path / "killed"
-    proc = _cli([str(TINY_RECIPE), *OVERRIDES, f"trainer.output_dir={run}"], address)
+    proc = _cli([str(TINY_RECIPE), *OVERRIDES, *MIX_GRPO, f"trainer.output_dir={run}"], address)
     deadline = time.monotonic() + 900
     try:
         while time.monotonic() < deadline and proc.poll() is None:
