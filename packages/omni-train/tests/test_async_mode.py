@@ -117,6 +117,11 @@ def _check(rows, spans):
     assert "correction/is_weight_mean" not in rows[0]
     assert all(np.isfinite(r["loss"]) for r in rows)
     assert all(r["rollout/forwards"] >= 1 for r in rows)
+    # throughput over the rollout's own time, not over the loop's (near-zero) wait for it
+    for r in rows:
+        assert r["timing/rollout_busy_s"] > 0
+        rate = r["rollout/rows"] / r["timing/rollout_busy_s"]
+        assert r["perf/images_per_s"] == pytest.approx(rate, rel=1e-6)
     # rollout k+1 started before update k ended (sync mode would wait for the update)
     for k in (0, 1):
         (_, u1), (g0, _) = spans["update"][k], spans["rollout"][k + 1]
