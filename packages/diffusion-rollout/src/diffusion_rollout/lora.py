@@ -25,7 +25,7 @@ from torch import Tensor
 
 __all__ = [
     "METADATA_KEY",
-    "PEFT_SETTINGS_REFUSED",
+    "PLAIN_LORA_SETTINGS",
     "LoraSpec",
     "ensure_lora",
     "lora_tensor_names",
@@ -35,10 +35,10 @@ __all__ = [
 METADATA_KEY = "lora_config"
 
 
-#: peft `LoraConfig` fields whose non-default values change what the adapter computes (rsLoRA's
+#: peft `LoraConfig` fields whose other values change what the adapter computes (rsLoRA's
 #: alpha / sqrt(r), DoRA's magnitudes, per-module ranks and alphas, trained biases, whole
-#: modules saved beside the adapter), with the value plain LoRA has
-PEFT_SETTINGS_REFUSED: dict[str, Any] = {
+#: modules saved beside the adapter), each with its plain-LoRA value: anything else is refused
+PLAIN_LORA_SETTINGS: dict[str, Any] = {
     "use_rslora": False,
     "use_dora": False,
     "rank_pattern": {},
@@ -76,7 +76,7 @@ class LoraSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> LoraSpec:
         """From ``{"rank", "alpha", "target_modules"}`` or peft's ``adapter_config.json`` keys
         (``r``, ``lora_alpha``, ``target_modules``); a missing field is named, and so is a peft
-        setting that changes the adapter's arithmetic from plain LoRA (`PEFT_SETTINGS_REFUSED`):
+        setting that changes the adapter's arithmetic from plain LoRA (`PLAIN_LORA_SETTINGS`):
         read as plain LoRA, such an adapter would sample with the wrong weights."""
         if not isinstance(data, Mapping):
             raise ValueError(f"lora_config must be an object, got {type(data).__name__}")
@@ -85,7 +85,7 @@ class LoraSpec:
             raise ValueError(
                 f"lora_config.peft_type: only LORA adapters load here, got {peft_type!r}"
             )
-        for key, plain in PEFT_SETTINGS_REFUSED.items():
+        for key, plain in PLAIN_LORA_SETTINGS.items():
             value = data.get(key)
             # absent, the plain value, or empty (false, {}, []) where that is what plain means
             if not (value is None or value == plain or (not value and not isinstance(plain, str))):

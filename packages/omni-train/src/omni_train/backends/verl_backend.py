@@ -524,7 +524,6 @@ def omni_items(recipe: Recipe) -> tuple[list[OmniItem], list[OmniItem]]:
     """(train, val) items of the omni path, read as the local omni loop reads them: the
     generated `data.task` (its train and held-out val splits) or the JSONL `data.file`
     (validation: `data.val_file`, else its first `data.val_size` rows)."""
-
     d, seed = recipe.data, recipe.trainer.seed
     opts = dict(d.task_options)
     train = load_items(d.task, d.file, "train", d.task_size, seed, opts, "data.file")
@@ -596,7 +595,6 @@ def export_thinker(recipe: Recipe, out: Path) -> str:
 def run_verl(recipe: Recipe, run_dir: str | Path | None = None) -> list[dict[str, Any]]:
     """Start verl's PPO trainer on the omni path of `recipe` (returns no per-step rows: verl
     logs them itself, under `trainer.logger`)."""
-
     if not verl_available():
         raise TrainError(
             "trainer.backend: 'verl' needs verl, which pins transformers < 5.11: create its own "
