@@ -24,7 +24,9 @@ pytest.importorskip("httpx")
 TIMING = ("timing/", "perf/")
 
 
-def _recipe(tmp: Path, model: Path, trainer: dict | None = None, **rollout) -> dict:
+def _recipe(
+    tmp: Path, model: Path, trainer: dict | None = None, algorithm: dict | None = None, **rollout
+) -> dict:
     return {
         "experiment": "http",
         "model": {"path": str(model), "tiny": "sd3"},
@@ -40,7 +42,7 @@ def _recipe(tmp: Path, model: Path, trainer: dict | None = None, **rollout) -> d
             **rollout,
         },
         "reward": {"name": "brightness"},
-        "algorithm": {"name": "flow_grpo", "clip_range": 0.2},
+        "algorithm": {"name": "flow_grpo", "clip_range": 0.2, **(algorithm or {})},
         "optimizer": {"lr": 2e-2},
         "trainer": {
             "steps": 3,
@@ -109,13 +111,18 @@ def test_http_rollout_trains_like_the_embedded_engine(tmp_path, tiny_sd3, monkey
     killed after its third step and resumed against the same server, which outlived the
     killed run: versions only go up there, so the resumed run's pushes are shifted past the
     version the server holds, and the run ends as the embedded one does. A new run on that
-    server, which holds the earlier run's weights, is refused by name."""
+    server, which holds the earlier run's weights, is refused by name.
+
+    Both runs correct for the rollout engine (`algorithm.rollout_correction: decoupled`, the
+    setting for an engine apart from the trainer): the log-probs the server sends back are the
+    ones the trainer recomputes, step for step of the window."""
     from omni_train import resume
     from omni_train.logger import read_metrics
     from omni_train.loops.diffusion import DiffusionLoop
 
     common = {"steps": 4, "save_every": 2}
-    embedded = train(recipe_from_dict(_recipe(tmp_path / "e", tiny_sd3, trainer=common)))
+    decoupled = {"rollout_correction": "decoupled"}
+    embedded = train(recipe_from_dict(_recipe(tmp_path / "e", tiny_sd3, common, decoupled)))
     url, proc = _serve(tiny_sd3)
     run = tmp_path / "h"
     orig = DiffusionLoop.train_step
@@ -127,7 +134,9 @@ def test_http_rollout_trains_like_the_embedded_engine(tmp_path, tiny_sd3, monkey
         return row
 
     try:
-        recipe = recipe_from_dict(_recipe(run, tiny_sd3, common, backend="http", url=url))
+        recipe = recipe_from_dict(
+            _recipe(run, tiny_sd3, common, decoupled, backend="http", url=url)
+        )
         monkeypatch.setattr(DiffusionLoop, "train_step", dying)
         with pytest.raises(KeyboardInterrupt):
             train(recipe)
@@ -151,8 +160,12 @@ def test_http_rollout_trains_like_the_embedded_engine(tmp_path, tiny_sd3, monkey
             "reward/max",
             "loss",
             "actor/grad_norm",
+            "correction/is_weight_mean",
         ):
             assert b[k] == pytest.approx(a[k], abs=1e-5), (k, a[k], b[k])
+        # the server's log-probs are the trainer's own, on the same rows and window steps
+        assert b["correction/logprob_abs_diff_max"] < 1e-4
+        assert b["correction/rejected_frac"] == 0.0
     assert served[-1]["reward/mean"] != served[0]["reward/mean"]  # the pushed LoRA is in use
 
 
