@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_algos.correction import rollout_correction
+from omni_algos.correction import pearson_from_sums, pearson_sums, rollout_correction
 
 
 def test_token_level_decoupled_weights_and_mask():
@@ -85,3 +85,20 @@ def test_property_weights_bounded_and_finite(b, t, seed, level, mode, scale):
     assert (c.weights >= 0).all() and (c.weights <= 2.0).all()
     assert torch.equal(c.weights == 0, ~c.mask) or mode == "decoupled"
     assert all(math.isfinite(v) for v in c.metrics.values())
+
+
+def test_pearson_sums_add_over_shards():
+    """Data-parallel ranks all-reduce `pearson_sums` and get the whole batch's correlation,
+    which a mean of the shards' own correlations is not."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(40, generator=g) * 30 - 200  # log-prob-like magnitudes
+    b = a + torch.randn(40, generator=g) * torch.linspace(0.1, 20, 40)
+    want = float(torch.corrcoef(torch.stack([a, b]).double())[0, 1])
+    shards = [pearson_sums(a[:13], b[:13]), pearson_sums(a[13:], b[13:])]
+    whole = [x + y for x, y in zip(*shards, strict=True)]
+    assert pearson_from_sums(whole) == pytest.approx(want, rel=1e-9)
+    assert pearson_from_sums(pearson_sums(a, b)) == pytest.approx(want, rel=1e-9)
+    mean_of_shards = sum(pearson_from_sums(s) for s in shards) / 2
+    assert abs(mean_of_shards - want) > 1e-3
+    assert pearson_from_sums(pearson_sums(torch.ones(5), a[:5])) == 0.0  # a constant side
+    assert pearson_from_sums(pearson_sums(a[:1], b[:1])) == 0.0

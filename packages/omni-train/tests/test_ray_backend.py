@@ -176,6 +176,37 @@ def test_update_parity_local_vs_two_fsdp_ranks(name, sd3_pool):
         )
 
 
+@pytest.mark.parametrize("mode", ["decoupled", "bypass"])
+def test_rollout_correction_parity_local_vs_two_fsdp_ranks(mode, sd3_pool):
+    """`algorithm.rollout_correction` on two FSDP ranks: each rank weights and rejects its own
+    rows, and the correction's metrics are the whole batch's (means, the largest difference,
+    the correlation), as on one process. Rows 0, 1 and 7 read a rollout log-prob off by +2
+    (importance ratio e^-2: rejected), on both ranks' halves; row 7's step 1 by +3."""
+    import dataclasses
+
+    d = _recipe_for("flow_grpo", sd3_pool["base"])
+    d["algorithm"]["rollout_correction"] = mode
+    local, batch, init = _local_learner_and_batch(d, sd3_pool["tmp"] / f"correction-{mode}")
+    lp = batch.log_probs.clone()
+    lp[[0, 1, 7]] += 2.0
+    lp[7, 1] += 1.0
+    batch = dataclasses.replace(batch, log_probs=lp)
+    rl = sd3_pool["ray"]
+    rl.configure(recipe_from_dict(d))
+    rl.load_state(init, None)
+    got, want = rl.update(batch, 0, mode), local.update(batch, 0, mode)
+    keys = sorted(k for k in want if k.startswith("correction/"))
+    assert len(keys) >= 8 and sorted(k for k in got if k.startswith("correction/")) == keys
+    assert want["correction/rejected_frac"] == pytest.approx(3 / 12, abs=1e-6)
+    assert want["correction/logprob_abs_diff_max"] == pytest.approx(3.0, abs=1e-3)
+    for k in keys:
+        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
+    assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+    lw, rw = local.rollout_weights(), rl.rollout_weights().whole()
+    for k in lw:
+        torch.testing.assert_close(rw[k], lw[k], atol=1e-5, rtol=0, msg=k)
+
+
 def test_auto_rows_per_forward_plans_from_the_ranks_measure(sd3_pool):
     """`rows_per_forward: auto` on two FSDP ranks: the first update at max_num_seqs, then the
     least of the ranks' measures for every rank; the same losses as the local learner."""

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["CORRECTION_MODES", "Correction", "rollout_correction"]
+__all__ = [
+    "CORRECTION_MODES",
+    "Correction",
+    "pearson_from_sums",
+    "pearson_sums",
+    "rollout_correction",
+]
 
 CORRECTION_MODES = ("bypass", "decoupled")
 
@@ -29,13 +35,24 @@ class Correction:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _pearson(a: Tensor, b: Tensor) -> float:
-    if a.numel() < 2:
+def pearson_sums(a: Tensor, b: Tensor) -> list[float]:
+    """``[n, sum a, sum b, sum a^2, sum b^2, sum ab]`` in float64: what Pearson's correlation
+    is computed from. Sums add over shards of the data, so data-parallel ranks all-reduce
+    them and call `pearson_from_sums` to get the whole batch's correlation."""
+    a, b = a.detach().double().flatten(), b.detach().double().flatten()
+    return [float(a.numel()), *(float(t.sum()) for t in (a, b, a * a, b * b, a * b))]
+
+
+def pearson_from_sums(sums: list[float]) -> float:
+    r"""Pearson's correlation from `pearson_sums`' values:
+    ``r = (n sum ab - sum a sum b) / sqrt((n sum a^2 - (sum a)^2) (n sum b^2 - (sum b)^2))``,
+    0 for fewer than two values or a constant side."""
+    n, sa, sb, saa, sbb, sab = sums
+    if n < 2:
         return 0.0
-    a = a - a.mean()
-    b = b - b.mean()
-    den = float(a.norm() * b.norm())
-    return float((a * b).sum()) / den if den > 0 else 0.0
+    va, vb = n * saa - sa * sa, n * sbb - sb * sb
+    den = math.sqrt(va * vb) if va > 0 and vb > 0 else 0.0
+    return (n * sab - sa * sb) / den if den > 0 else 0.0
 
 
 def rollout_correction(
@@ -129,7 +146,7 @@ def rollout_correction(
         "logprob_abs_diff_max": float(diff[valid].max()) if n_valid > 0 else 0.0,
         "k3_kl": vmean(k3),
         "log_ppl_diff": log_ppl_diff,
-        "pearson": _pearson(a[valid], r[valid]),
+        "pearson": pearson_from_sums(pearson_sums(a[valid], r[valid])),
         "is_weight_mean": vmean(is_w),
         "is_truncated_frac": vmean((rho > is_threshold).to(dtype))
         if is_threshold is not None

@@ -54,6 +54,9 @@ from .plan import UpdatePlan
 
 __all__ = ["ReplayedStep", "replay_steps", "sde_replay_update", "sde_step_rows"]
 
+#: `omni_algos.correction` metrics that are not means over the rows (reduced otherwise)
+CORRECTION_NOT_MEANS = ("logprob_abs_diff_max", "pearson")
+
 
 @dataclass
 class ReplayedStep:
@@ -168,7 +171,7 @@ def sde_replay_update(
 
     ``correction``: None, or "decoupled" / "bypass" (`omni_algos.correction`): per-sample
     weights for log-probs that the rollout engine computed under other weights or kernels."""
-    from omni_algos.correction import rollout_correction
+    from omni_algos.correction import pearson_from_sums, pearson_sums, rollout_correction
     from omni_algos.losses import LOSSES, kl_penalty
 
     alg, s, col = ctx.algorithm, ctx.settings, ctx.collective
@@ -213,8 +216,15 @@ def sde_replay_update(
         weights = cc.weights.float()
         if correction == "decoupled":  # the trainer's own log-probs anchor the ratio
             anchor = prox
+        # the whole batch's metrics: row-weighted means, but a max is a max over ranks and a
+        # correlation comes from the ranks' summed moments
         share = n_rows / col.all_sum([n_rows])[0]
-        corr_metrics.add_reduced(col, {f"correction/{k}": v * share for k, v in cc.metrics.items()})
+        means = {k: v for k, v in cc.metrics.items() if k not in CORRECTION_NOT_MEANS}
+        corr_metrics.add_reduced(col, {f"correction/{k}": v * share for k, v in means.items()})
+        (diff_max,) = col.all_max([cc.metrics["logprob_abs_diff_max"]])
+        corr_metrics.add("correction/logprob_abs_diff_max", diff_max)
+        moments = col.all_sum(pearson_sums(prox, old_lp))
+        corr_metrics.add("correction/pearson", pearson_from_sums(moments))
 
     # 2. RatioNorm's batch statistics: std and sqrt(-dt) averaged over the whole minibatch
     std_means: dict[int, tuple[float, float]] = {}
