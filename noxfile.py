@@ -282,7 +282,8 @@ def tests_verl(session: nox.Session) -> None:
 
 @nox.session(name="tests-vllm-omni", venv_backend="none")
 def tests_vllm_omni(session: nox.Session) -> None:
-    """The vllm-omni backend's contract tests against vllm-omni's own classes, in the lock's
+    """The vllm-omni backend's contract tests against vllm-omni's own classes, and an
+    omni-train run on that backend (`tests/test_vllm_omni_rollout.py`), in the lock's
     `vllm-omni` fork (vllm-omni 0.30 + vLLM 0.30 pin transformers, diffusers and torch apart
     from the workspace)."""
     # diffusion-rollout's own `vllm-omni` extra, not the root's: synced through the root, the
@@ -304,26 +305,19 @@ def tests_vllm_omni(session: nox.Session) -> None:
         env={"UV_PROJECT_ENVIRONMENT": str(env_dir)},
         external=True,
     )
+    # omni-train's run on the vllm-omni rollout needs the other members too: their own
+    # dependencies are in this fork already but matplotlib (that test draws no reward curve)
+    members = ("omni-adapters", "omni-algos", "omni-rewards", "omni-train")
+    editable = [arg for m in members for arg in ("-e", str(ROOT / "packages" / m))]
+    python = str(env_dir / "bin" / "python")
     session.run(
-        "uv",
-        "pip",
-        "install",
-        "--quiet",
-        "--python",
-        str(env_dir / "bin" / "python"),
-        "--no-deps",
-        "-e",
-        str(ROOT / "packages" / "omni-adapters"),
-        external=True,
+        "uv", "pip", "install", "--quiet", "--python", python, "--no-deps", *editable, external=True
     )
-    test_file = "packages/diffusion-rollout/tests/test_vllm_backend.py"
-    _pytest(
-        session,
-        str(env_dir / "bin" / "python"),
-        "diffusion-rollout",
-        *session.posargs,
-        target=test_file,
-    )
+    for package, test_file in (
+        ("diffusion-rollout", "packages/diffusion-rollout/tests/test_vllm_backend.py"),
+        ("omni-train", "packages/omni-train/tests/test_vllm_omni_rollout.py"),
+    ):
+        _pytest(session, python, package, *session.posargs, target=test_file)
 
 
 def _wheel(dist: Path, package: str) -> Path:

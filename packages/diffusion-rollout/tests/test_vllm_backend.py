@@ -13,7 +13,6 @@ not run here (benchmarks/device/vllm_omni_parity.sh runs it). Where vllm-omni is
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import os
@@ -27,30 +26,15 @@ import torch
 pytest.importorskip("vllm_omni.diffusion.data")
 omni_adapters = pytest.importorskip("omni_adapters")
 
-from vllm.config import LoadConfig  # noqa: E402
-from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig  # noqa: E402
-from vllm_omni.diffusion.diffusion_engine import (  # noqa: E402
-    DiffusionEngine,
-    supports_request_batch,
-)
-from vllm_omni.diffusion.model_loader.diffusers_loader import (  # noqa: E402
-    DiffusersPipelineLoader,
-)
+from vllm_omni.diffusion.data import DiffusionOutput  # noqa: E402
+from vllm_omni.diffusion.diffusion_engine import supports_request_batch  # noqa: E402
 from vllm_omni.diffusion.registry import (  # noqa: E402
     get_diffusion_post_process_func,
     get_diffusion_pre_process_func,
 )
 from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
-from vllm_omni.diffusion.worker.diffusion_model_runner import (  # noqa: E402
-    DiffusionModelRunner,
-    _normalize_pipeline_outputs,
-)
-from vllm_omni.diffusion.worker.diffusion_worker import (  # noqa: E402
-    DiffusionWorker,
-    WorkerWrapperBase,
-)
+from vllm_omni.diffusion.worker.diffusion_worker import DiffusionWorker  # noqa: E402
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch  # noqa: E402
-from vllm_omni.entrypoints.async_omni import AsyncOmni  # noqa: E402
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams  # noqa: E402
 from vllm_omni.outputs import OmniRequestOutput  # noqa: E402
 
@@ -71,6 +55,13 @@ from diffusion_rollout.vllm_backend import (  # noqa: E402
     engine_args,
     parse_omni_output,
     request_from_omni,
+)
+from diffusion_rollout.vllm_inprocess import (  # noqa: E402
+    InProcessOmni,
+    check_outputs,
+    engine_config,
+    load_pipeline,
+    post_processor,
 )
 from diffusion_rollout.vllm_worker import RolloutPipeline, RolloutWorkerExtension  # noqa: E402
 
@@ -102,34 +93,7 @@ def tiny_sd3():
 
 def od_config(model, lora=None):
     """vllm-omni's engine config, built from the arguments `VllmOmniEngine` starts with."""
-    args = engine_args(model, lora_config=lora, max_num_seqs=8)
-    return OmniDiffusionConfig.from_kwargs(
-        model=args["model"],
-        custom_pipeline_args=args["custom_pipeline_args"],
-        model_class_name=args["model_class_name"],
-        dtype=torch.float32,
-        max_num_seqs=args["max_num_seqs"],
-    )
-
-
-def load_pipeline(od):
-    """Our pipeline as vllm-omni's worker loads a custom pipeline."""
-    loader = DiffusersPipelineLoader(LoadConfig(), od)
-    return loader.load_model(
-        load_device="cpu",
-        load_format="custom_pipeline",
-        custom_pipeline_name=od.custom_pipeline_args["pipeline_class"],
-        device=torch.device("cpu"),
-    )
-
-
-def post_process(od):
-    """vllm-omni's engine-side conversion of a DiffusionOutput into OmniRequestOutputs, with
-    the post-process hooks it resolves for this config (object.__new__: no executor)."""
-    engine = object.__new__(DiffusionEngine)
-    engine.od_config = od
-    engine._init_process_hooks(od)
-    return engine
+    return engine_config(engine_args(model, lora_config=lora, max_num_seqs=8))
 
 
 def run_batch(pipeline, engine, requests, version=0):
@@ -146,9 +110,7 @@ def run_batch(pipeline, engine, requests, version=0):
     batch = DiffusionRequestBatch(requests=omni_reqs)
     with torch.inference_mode():
         raw = pipeline.forward(batch)
-    outs = _normalize_pipeline_outputs(
-        raw, expected_count=len(omni_reqs), allow_single_output=False, pipeline_name="Rollout"
-    )
+    outs = check_outputs(raw, len(omni_reqs))
     wrapped = []
     for req, out in zip(omni_reqs, outs):
         (inner,) = engine.postprocess_output(req, out)
@@ -172,7 +134,7 @@ def max_diff(a, b):
 @pytest.fixture(scope="module")
 def served(tiny_sd3):
     od = od_config(tiny_sd3)
-    return od, load_pipeline(od), post_process(od)
+    return od, load_pipeline(od), post_processor(od)
 
 
 def test_sampling_params_and_request_are_vllm_omnis():
@@ -234,9 +196,7 @@ def test_runner_rejects_a_single_output_for_a_batch(served):
     outs = pipeline.forward(batch)
     assert isinstance(outs, list) and len(outs) == 2
     with pytest.raises(RuntimeError, match="request-batch forward must return list"):
-        _normalize_pipeline_outputs(
-            outs[0], expected_count=2, allow_single_output=False, pipeline_name="x"
-        )
+        check_outputs(outs[0], 2)
 
 
 def test_startup_warmup_request_gets_an_empty_output(served):
@@ -261,64 +221,10 @@ def test_output_errors_name_the_cause(served):
         parse_omni_output(r, bare, version=0)
 
 
-def extended_worker(pipeline):
-    """A worker of the class vllm-omni builds for ``worker_extension_cls`` (DiffusionWorker
-    with our extension mixed in), holding `pipeline` (no device setup: object.__new__)."""
-    wrapper = object.__new__(WorkerWrapperBase)
-    wrapper.base_worker_class = DiffusionWorker
-    wrapper.worker_extension_cls = WORKER_EXTENSION_CLASS
-    wrapper.uses_custom_pipeline = True
-    cls = wrapper._prepare_worker_class()
-    assert issubclass(cls, DiffusionWorker) and issubclass(cls, RolloutWorkerExtension)
-    assert callable(cls.re_init_pipeline)  # vllm-omni calls it to build the custom pipeline
-    worker = object.__new__(cls)
-    runner = object.__new__(DiffusionModelRunner)  # vllm-omni's runner, without its device setup
-    runner.pipeline = pipeline
-    worker.model_runner = runner
-    return worker
-
-
-class InProcessOmni:
-    """``AsyncOmni.generate`` / ``collective_rpc`` served in this process: every call is bound
-    to the real ``AsyncOmni`` method's signature, requests run through the real pipeline, the
-    runner's output check and the engine's post-process; RPCs run on an extended worker."""
-
-    def __init__(self, pipeline, engine, gate=None):
-        self.pipeline, self.engine, self.gate = pipeline, engine, gate
-        self.worker = extended_worker(pipeline)
-        self.rpcs = []
-
-    async def generate(self, *args, **kwargs):
-        call = inspect.signature(AsyncOmni.generate).bind(self, *args, **kwargs).arguments
-        (sp,) = call["sampling_params_list"]
-        req = OmniDiffusionRequest(call["prompt"], sp, request_id=call["request_id"] + "-9c1e")
-        if self.gate is not None:
-            await asyncio.to_thread(self.gate.wait, 10)
-
-        def run():
-            with torch.inference_mode():
-                raw = self.pipeline.forward(DiffusionRequestBatch([req]))
-            return _normalize_pipeline_outputs(
-                raw, expected_count=1, allow_single_output=False, pipeline_name="Rollout"
-            )
-
-        (out,) = await asyncio.to_thread(run)
-        (inner,) = self.engine.postprocess_output(req, out)
-        yield OmniRequestOutput.from_stage_output(
-            inner, request_id=call["request_id"], finished=True, stage_id=0
-        )
-
-    async def collective_rpc(self, *args, **kwargs):
-        call = inspect.signature(AsyncOmni.collective_rpc).bind(self, *args, **kwargs).arguments
-        self.rpcs.append(call["method"])
-        method = getattr(self.worker, call["method"])
-        return [await asyncio.to_thread(method, *call.get("args", ()))]
-
-
 @pytest.fixture(scope="module")
 def served_lora(tiny_sd3):
     od = od_config(tiny_sd3, lora=LORA)
-    return od, load_pipeline(od), post_process(od)
+    return od, load_pipeline(od), post_processor(od)
 
 
 def lora_weights(tiny_sd3, seed):
@@ -339,6 +245,10 @@ def test_engine_syncs_lora_versions_through_the_worker(served_lora, tiny_sd3):
     _, pipeline, engine = served_lora
     gate = threading.Event()
     omni = InProcessOmni(pipeline, engine, gate)
+    # the worker class vllm-omni builds for our extension, with the hook it calls at load
+    assert isinstance(omni.worker, DiffusionWorker)
+    assert isinstance(omni.worker, RolloutWorkerExtension)
+    assert callable(omni.worker.re_init_pipeline)
     w1, w2 = lora_weights(tiny_sd3, 1), lora_weights(tiny_sd3, 2)
     ref_model = omni_adapters.from_pretrained(tiny_sd3)
     ref_model.add_lora(LORA["rank"], LORA["alpha"], target_modules=LORA["target_modules"])

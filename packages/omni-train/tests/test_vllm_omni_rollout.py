@@ -1,0 +1,90 @@
+"""rollout.backend: vllm-omni from omni-train, end to end: the run starts its `VllmOmniEngine`
+with the LoRA config and `rollout.max_num_seqs`, pushes each step's LoRA through vllm-omni's
+worker RPC, and gets the embedded engine's trajectories, so the same rewards and updates.
+
+vllm-omni's GPU executor cannot run on this machine: the engine's ``AsyncOmni`` is replaced by
+`diffusion_rollout.vllm_inprocess.in_process_omni`, built from the very arguments the run
+passes (`VllmOmniEngine._make_omni`, the one seam), which serves requests with vllm-omni's own
+engine config, model loader, request batch, output check, post-process and worker extension.
+
+Runs in the lock's vllm-omni environment (``nox -s tests-vllm-omni``, which installs omni-train
+there without its dependencies); skipped where vllm-omni is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm_omni.diffusion.data")
+
+from omni_train import train
+from omni_train.recipe import recipe_from_dict
+
+TIMING = ("timing/", "perf/")
+
+
+def _recipe(tmp, model) -> dict:
+    return {
+        "experiment": "vllm-omni",
+        "model": {"path": str(model), "tiny": "sd3"},
+        "data": {"prompts": ["a red square", "a blue circle"], "prompts_per_step": 2},
+        "rollout": {
+            "n": 4,
+            "height": 32,
+            "width": 32,
+            "num_steps": 4,
+            "sde_window_size": 2,
+            "sde_window_range": [0, 3],
+            "noise_level": 0.8,
+            "max_num_seqs": 8,
+        },
+        "reward": {"name": "brightness"},
+        # the setting for an engine apart from the trainer: the trainer recomputes the
+        # log-probs and weights each sample by how far the engine's are from its own
+        "algorithm": {"name": "flow_grpo", "clip_range": 0.2, "rollout_correction": "decoupled"},
+        "lora": {"rank": 4, "alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]},
+        "optimizer": {"lr": 2e-2},
+        "trainer": {"steps": 3, "progress": False, "sample_every": 0, "output_dir": str(tmp)},
+    }
+
+
+def test_a_run_on_vllm_omni_trains_like_the_embedded_engine(tmp_path, tiny_sd3, monkeypatch):
+    import omni_train.loops.run as run_module
+    from diffusion_rollout import VllmOmniEngine
+    from diffusion_rollout.vllm_backend import LOAD_METHOD, PIPELINE_CLASS
+    from diffusion_rollout.vllm_inprocess import in_process_omni
+
+    # this environment holds diffusion-rollout's dependencies, not matplotlib: no reward curve
+    monkeypatch.setattr(run_module, "plot_reward_curve", lambda *a, **k: None)
+    started = []
+
+    async def make_omni(self, kwargs):
+        started.append((kwargs, in_process_omni(**kwargs)))
+        return started[-1][1]
+
+    monkeypatch.setattr(VllmOmniEngine, "_make_omni", make_omni)
+
+    embedded = train(recipe_from_dict(_recipe(tmp_path / "e", tiny_sd3)))
+    recipe = recipe_from_dict(_recipe(tmp_path / "v", tiny_sd3))
+    # The recipe refuses vllm-omni without model.device cuda (its executor needs a GPU); the
+    # in-process engine does not, so the backend is set after that check.
+    recipe.rollout.backend = "vllm-omni"
+    served = train(recipe)
+
+    (kwargs, omni), *more = started
+    assert not more  # one engine for the run
+    assert kwargs["model"] == str(tiny_sd3) and kwargs["max_num_seqs"] == 8
+    lora = kwargs["custom_pipeline_args"]["lora"]  # the adapter is added when the engine loads
+    assert kwargs["custom_pipeline_args"]["pipeline_class"] == PIPELINE_CLASS
+    assert (lora["rank"], lora["alpha"]) == (4, 8.0)
+    assert sorted(lora["target_modules"]) == ["to_k", "to_out.0", "to_q", "to_v"]
+    # each step's LoRA went through the worker RPC and the next rollout ran on it
+    assert omni.rpcs.count(LOAD_METHOD) >= 2
+    assert [r["weights/version"] for r in served] == [1, 2, 3]
+    assert [r["rollout/version"] for r in served] == [0, 1, 2]
+    for a, b in zip(embedded, served, strict=True):
+        for k in ("reward/mean", "reward/std", "loss", "actor/grad_norm"):
+            assert b[k] == pytest.approx(a[k], abs=1e-5), (k, a[k], b[k])
+        assert b["correction/logprob_abs_diff_max"] < 1e-4
+        assert b["correction/rejected_frac"] == 0.0
+    assert served[-1]["reward/mean"] != served[0]["reward/mean"]  # the pushed LoRA is in use
