@@ -14,7 +14,7 @@ from omni_train.loops import DiffusionLoop, launchable, staleness_stats
 from omni_train.recipe import recipe_from_dict
 
 
-def recipe(tmp, model, **trainer):
+def recipe(tmp, model, rollout_backend="embedded", **trainer):
     return recipe_from_dict(
         {
             "experiment": "async",
@@ -28,6 +28,7 @@ def recipe(tmp, model, **trainer):
                 "sde_window_size": 2,
                 "sde_window_range": [0, 2],
                 "noise_level": 0.8,
+                "backend": rollout_backend,
             },
             "reward": {"name": "brightness"},
             "algorithm": {"name": "flow_grpo", "clip_range": 0.2},
@@ -131,6 +132,16 @@ def _check(rows, spans):
 def test_async_on_the_local_backend_overlaps(tmp_path, tiny_sd3):
     rows, spans = _timed_run(recipe(tmp_path, tiny_sd3, val_every=2), tmp_path)
     _check(rows, spans)
+
+
+@pytest.mark.slow
+def test_async_with_the_http_rollout_overlaps(tmp_path, tiny_sd3):
+    """The prefetch thread rolls out on a `diffusion-rollout serve` (started by omni-train)
+    while the loop's thread pushes the next version to it and validates through it."""
+    r = recipe(tmp_path, tiny_sd3, rollout_backend="http", val_every=2)
+    rows, spans = _timed_run(r, tmp_path)
+    _check(rows, spans)
+    assert [row["weights/version"] for row in rows] == [1, 2, 3]
 
 
 def test_async_on_ray_overlaps(ray_session, tmp_path, tiny_sd3):
