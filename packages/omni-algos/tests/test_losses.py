@@ -48,6 +48,24 @@ def test_flow_grpo_matches_reference_and_grad():
     assert out.metrics["approx_kl"] == pytest.approx(float(0.5 * ((lp - old).detach() ** 2).mean()))
 
 
+def test_ratio_spread_of_pieces_gives_the_whole_batchs_std():
+    """`ratio_dev_sq_mean` and `ratio_mean`, averaged over pieces weighted by their sizes, give
+    the whole batch's std; the pieces' own `ratio_std` do not (a one-element piece's is 0)."""
+    g = torch.Generator().manual_seed(2)
+    lp, old = torch.randn(12, generator=g) * 0.05, torch.zeros(12)
+    adv = torch.randn(12, generator=g)
+    want = float(torch.exp(lp).std(unbiased=False))
+    sizes = [1, 5, 6]
+    pieces = [
+        flow_grpo(a, b, c, clip_range=0.2).metrics
+        for a, b, c in zip(lp.split(sizes), old.split(sizes), adv.split(sizes), strict=True)
+    ]
+    mean = sum(m["ratio_mean"] * n for m, n in zip(pieces, sizes, strict=True)) / 12
+    dev_sq = sum(m["ratio_dev_sq_mean"] * n for m, n in zip(pieces, sizes, strict=True)) / 12
+    assert (dev_sq - (mean - 1) ** 2) ** 0.5 == pytest.approx(want, rel=1e-4)
+    assert pieces[0]["ratio_std"] == 0.0 and want > 0.01
+
+
 def test_flow_grpo_gradcheck():
     g = torch.Generator().manual_seed(1)
     lp = (torch.randn(6, generator=g) * 0.3).double().requires_grad_(True)

@@ -94,3 +94,45 @@ def test_packed_replay_gradients_equal_the_step_by_step_replay(train_dict, tmp_p
     assert biggest > 1e-6  # the step trains something
     for k, g in step_by_step.items():  # to 1e-5, and to 1e-5 of the largest gradient entry
         assert (packed[k] - g).abs().max().item() <= 1e-5 * min(1.0, biggest), k
+
+
+@pytest.mark.parametrize("name", ["flow_grpo", "grpo_guard"])
+def test_update_metrics_are_the_minibatchs_whatever_the_split(train_dict, tmp_path: Path, name):
+    """One-row micro-batches (`rows_per_forward: 1`) and the whole minibatch in one forward
+    report the same metrics. The ratio's std is the minibatch's over every row and window
+    step, not a mean of what each micro-batch and step saw (a one-row micro-batch's reads 0).
+    The rollout's log-probs are shifted by noise ``z`` (std 0.05), so the ratio at the rollout
+    weights is ``exp(-z)`` up to the replay's 1e-6 and its std is known."""
+    d = train_dict(algorithm={"name": name}, trainer={"sample_every": 0})
+    recipe = recipe_from_dict(d)
+    loop = local_loop(recipe, tmp_path / "run")
+    trajs, rewards = rollout_and_score(loop)
+    batch, _ = loop.update_batch(trajs, rewards, 0)
+    z = 0.05 * torch.randn(batch.log_probs.shape, generator=torch.Generator().manual_seed(0))
+    batch = dataclasses.replace(batch, log_probs=batch.log_probs + z)
+    n, steps = batch.log_probs.shape
+    adapter, params = loop.learner.adapter, loop.learner.params_named
+    start = {k: v.detach().clone() for k, v in params.items()}
+    settings = dataclasses.replace(UpdateSettings.from_recipe(recipe), measure_kl_ref=False)
+
+    def metrics(rows_per_forward: int) -> dict[str, float]:
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(start[k])
+        sgd = torch.optim.SGD(list(params.values()), lr=1.0)
+        ctx = UpdateContext(adapter, sgd, list(params.values()), algorithm(name), settings)
+        (plan,) = make_update_plans(
+            n, num_minibatches=1, epochs=1, seed=0, step=0, rows_per_forward=rows_per_forward
+        )
+        return run_update(ctx, batch, plan)
+
+    one_row, whole = metrics(1), metrics(n * steps)
+    loop.ports.close()
+    assert sorted(one_row) == sorted(whole)
+    assert not any(k.endswith("_dev_sq_mean") for k in whole)  # what the stds are made of
+    for k, v in whole.items():
+        if not k.startswith(("perf/", "timing/")):
+            assert one_row[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    want = float(torch.exp(-z).std(unbiased=False))
+    std = whole["actor/raw_ratio_std" if name == "grpo_guard" else "actor/ratio_std"]
+    assert std == pytest.approx(want, rel=1e-3)

@@ -8,6 +8,7 @@ serves every algorithm (`RayLearner.configure`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -141,10 +142,13 @@ def _local_learner_and_batch(d: dict, tmp: Path) -> tuple[LocalLearner, Any, dic
 
 @pytest.mark.parametrize("name", [n for n, a in ALGORITHMS.items() if a.model == "diffusion"])
 def test_update_parity_local_vs_two_fsdp_ranks(name, sd3_pool):
-    """One update on the same batch: the same LoRA weights and loss on both backends."""
+    """One update on the same batch: the same LoRA weights, loss and metrics on both backends."""
     d = _recipe_for(name, sd3_pool["base"])
     ray_recipe = recipe_from_dict(d)
     local, batch, init = _local_learner_and_batch(d, sd3_pool["tmp"] / name)
+    if hasattr(batch, "log_probs"):  # ratios away from 1 from the first minibatch on
+        z = torch.randn(batch.log_probs.shape, generator=torch.Generator().manual_seed(0))
+        batch = dataclasses.replace(batch, log_probs=batch.log_probs + 0.05 * z)
     before = {k: v.clone() for k, v in local.rollout_weights().items()}
 
     rl = sd3_pool["ray"]
@@ -159,6 +163,12 @@ def test_update_parity_local_vs_two_fsdp_ranks(name, sd3_pool):
     dpo = name == "diffusion_dpo"
     assert got["loss"] == pytest.approx(want["loss"], abs=5e-4 if dpo else 1e-5)
     assert got["actor/grad_norm"] == pytest.approx(want["actor/grad_norm"], rel=1e-4, abs=1e-7)
+    # every other metric is the minibatch's on both (the ratio's std too: one rank's rows in
+    # one-row micro-batches here, in two-row ones on the local learner)
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        if not k.startswith(("perf/", "timing/", "loss", "actor/grad_norm")):
+            assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-4 if dpo else 1e-6), k
     lw, rw = local.rollout_weights(), rl.rollout_weights().whole()
     assert sorted(lw) == sorted(rw)
     moved = max(float((lw[k] - before[k]).abs().max()) for k in lw)
@@ -182,8 +192,6 @@ def test_rollout_correction_parity_local_vs_two_fsdp_ranks(mode, sd3_pool):
     rows, and the correction's metrics are the whole batch's (means, the largest difference,
     the correlation), as on one process. Rows 0, 1 and 7 read a rollout log-prob off by +2
     (importance ratio e^-2: rejected), on both ranks' halves; row 7's step 1 by +3."""
-    import dataclasses
-
     d = _recipe_for("flow_grpo", sd3_pool["base"])
     d["algorithm"]["rollout_correction"] = mode
     local, batch, init = _local_learner_and_batch(d, sd3_pool["tmp"] / f"correction-{mode}")

@@ -58,10 +58,28 @@ def mean_dims(t: Tensor) -> Tensor:
     return t.mean(dim=tuple(range(1, t.ndim))) if t.ndim > 1 else t
 
 
+def spread_metrics(name: str, r: Tensor) -> dict[str, float]:
+    """``{name}_mean``, ``{name}_std`` and ``{name}_dev_sq_mean = mean((r - 1)^2)`` of a ratio.
+
+    A caller that splits a batch into pieces (micro-batches, data-parallel ranks) gets the
+    whole batch's population std from the pieces' element-weighted means:
+    ``std^2 = dev_sq_mean - (mean - 1)^2``; the pieces' own stds do not combine (a one-row
+    piece's is 0). Deviations from 1 keep the difference exact in float32 near r = 1."""
+    r = r.detach()
+    if r.numel() == 0:
+        return {f"{name}_mean": 1.0, f"{name}_std": 0.0, f"{name}_dev_sq_mean": 0.0}
+    return {
+        f"{name}_mean": float(r.mean()),
+        f"{name}_std": std0(r),
+        f"{name}_dev_sq_mean": float(((r - 1.0) ** 2).mean()),
+    }
+
+
 def ratio_metrics(
     ratio: Tensor, log_ratio: Tensor, clip_low: float, clip_high: float, mask: Tensor | None = None
 ) -> dict[str, float]:
-    """ratio_mean, ratio_std, clipfrac (and its higher/lower parts), approx_kl.
+    """ratio_mean, ratio_std, ratio_dev_sq_mean (`spread_metrics`), clipfrac (and its
+    higher/lower parts), approx_kl.
 
     ``approx_kl = 0.5 mean((lp - lp_old)^2)`` (the estimator Flow-GRPO logs).
     """
@@ -72,8 +90,7 @@ def ratio_metrics(
         r, lr = r[m], lr[m]
     if r.numel() == 0:
         return {
-            "ratio_mean": 1.0,
-            "ratio_std": 0.0,
+            **spread_metrics("ratio", r),
             "clipfrac": 0.0,
             "clipfrac_higher": 0.0,
             "clipfrac_lower": 0.0,
@@ -82,8 +99,7 @@ def ratio_metrics(
     hi = (r - 1.0 > clip_high).float().mean()
     lo = (1.0 - r > clip_low).float().mean()
     return {
-        "ratio_mean": float(r.mean()),
-        "ratio_std": std0(r),
+        **spread_metrics("ratio", r),
         "clipfrac": float(hi + lo),
         "clipfrac_higher": float(hi),
         "clipfrac_lower": float(lo),

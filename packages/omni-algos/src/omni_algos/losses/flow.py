@@ -16,7 +16,7 @@ from ._common import (
     expand_rows,
     mean_dims,
     ratio_metrics,
-    std0,
+    spread_metrics,
     weighted_mean,
 )
 from ._registry import LossOutput, register
@@ -48,7 +48,7 @@ def flow_grpo(
     ``loss = mean(w * max(-A r, -A clip(r, 1 - eps, 1 + eps)))`` with ``eps = clip_range``
     and ``w`` the optional per-sample weights (e.g. rollout-correction weights; default 1).
 
-    Metrics: ``policy_loss``, ``ratio_mean``, ``ratio_std``, ``clipfrac`` (= higher + lower),
+    Metrics: ``policy_loss``, ``ratio_mean``, ``ratio_std``, ``ratio_dev_sq_mean``, ``clipfrac`` (= higher + lower),
     ``clipfrac_higher`` (r - 1 > eps), ``clipfrac_lower`` (1 - r > eps),
     ``approx_kl = 0.5 mean((lp - lp_old)^2)``, ``advantage_mean``.
     """
@@ -242,5 +242,5 @@ def grpo_guard(
     loss = weighted_mean(per, as_float(weights, dtype, lp.device)) / sdt**2
     metrics = {"policy_loss": float(loss.detach()), "ratio_norm_scale": float(s)}
     metrics.update(ratio_metrics(ratio, log_ratio, clip_range, clip_range))
-    metrics["raw_ratio_std"] = std0(torch.exp(lp - old).detach())
+    metrics.update(spread_metrics("raw_ratio", torch.exp(lp - old)))
     return LossOutput(loss, metrics)

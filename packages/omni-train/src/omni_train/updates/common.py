@@ -19,6 +19,7 @@ so they are the minibatch's whatever the split.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -40,6 +41,7 @@ __all__ = [
     "kl_metric_rows",
     "optimizer_step",
     "run_optimizer_steps",
+    "whole_batch_spreads",
 ]
 
 
@@ -124,6 +126,26 @@ class UpdateContext:
     collective: Collective = field(default_factory=LocalCollective)
 
 
+#: `omni_algos.losses`' spread metrics: ``X_std`` comes with ``X_mean`` and this
+DEV_SQ_SUFFIX = "_dev_sq_mean"
+
+
+def whole_batch_spreads(means: dict[str, float]) -> dict[str, float]:
+    """``means`` with each ``X_std`` the whole batch's (population) std of ratio ``X``,
+    ``sqrt(X_dev_sq_mean - (X_mean - 1)^2)``, and the ``X_dev_sq_mean`` keys dropped.
+
+    A loss reports the std of the piece it saw (a micro-batch, one window step, one rank's
+    rows); a mean of those is not the batch's std and changes with the split (one-row
+    micro-batches read 0). The element means it also reports do add up to the batch's."""
+    out = {k: v for k, v in means.items() if not k.endswith(DEV_SQ_SUFFIX)}
+    for k, v in means.items():
+        name = k.removesuffix(DEV_SQ_SUFFIX)
+        if name != k and f"{name}_mean" in means:
+            var = v - (means[f"{name}_mean"] - 1.0) ** 2
+            out[f"{name}_std"] = math.sqrt(max(var, 0.0))
+    return out
+
+
 class MeanMetrics:
     """Running means of named floats (each optimizer step adds one value per name)."""
 
@@ -136,9 +158,11 @@ class MeanMetrics:
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def add_reduced(self, collective: Collective, weighted: dict[str, float]) -> None:
-        """Sum `weighted` (this rank's share-weighted values) over ranks and add each."""
+        """Sum `weighted` (this rank's share-weighted values) over ranks and add each, with
+        each spread recomputed from the sums (`whole_batch_spreads`)."""
         keys = sorted(weighted)
-        for k, v in zip(keys, collective.all_sum([weighted[k] for k in keys])):
+        summed = dict(zip(keys, collective.all_sum([weighted[k] for k in keys]), strict=True))
+        for k, v in whole_batch_spreads(summed).items():
             self.add(k, v)
 
     def means(self) -> dict[str, float]:
