@@ -301,6 +301,10 @@ def test_token_update_parity_local_vs_two_fsdp_ranks(name, thinker_pool):
     want = local.update(batch, 0)
     assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
     assert got["actor/kl_ref"] == pytest.approx(want["actor/kl_ref"], abs=1e-6)
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        if not k.startswith(("perf/", "timing/", "loss", "actor/grad_norm")):
+            assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
     lw, rw = local.rollout_weights(), rl.rollout_weights().whole()
     for k in lw:
         torch.testing.assert_close(rw[k], lw[k], atol=1e-5, rtol=0, msg=k)
