@@ -119,23 +119,35 @@ def test_edit_model_without_images_names_data_file(tmp_path: Path, tiny_edit) ->
 @pytest.mark.slow
 def test_edit_plus_cpu_twin_trains_a_step(tmp_path: Path) -> None:
     """The shipped edit recipe's CPU twin (Qwen-Image-Edit-Plus layout, one condition image
-    per row) runs end to end: rollout with the rows' images, a FlowGRPO step, validation."""
+    per row) runs end to end: rollout with the rows' images, a FlowGRPO step, validation; and
+    the same on the http rollout (a `diffusion-rollout serve` omni-train starts), where the
+    condition images cross the wire, gives the same rewards, loss and validation."""
     from omni_train import train
     from omni_train.recipe import load_recipe
 
     repo = Path(__file__).resolve().parents[3]
-    recipe = load_recipe(
-        repo / "recipes" / "cpu" / "qwen_image_edit_lora_flowgrpo.yaml",
-        [
-            f"model.path={tmp_path / 'model'}",
-            f"data.file={repo / 'recipes' / 'data' / 'edit_tiny' / 'train.jsonl'}",
-            f"trainer.output_dir={tmp_path / 'run'}",
-            "trainer.steps=1",
-            "trainer.val_every=1",
-            "trainer.progress=false",
-        ],
-    )
-    assert recipe.model.tiny == "qwen_image_edit_plus"
-    rows = train(recipe)
-    assert [r["step"] for r in rows] == [1]
-    assert np.isfinite(rows[0]["loss"]) and "val/reward_mean" in rows[0]
+
+    def run(name: str, *overrides: str) -> list[dict]:
+        recipe = load_recipe(
+            repo / "recipes" / "cpu" / "qwen_image_edit_lora_flowgrpo.yaml",
+            [
+                f"model.path={tmp_path / 'model'}",
+                f"data.file={repo / 'recipes' / 'data' / 'edit_tiny' / 'train.jsonl'}",
+                f"trainer.output_dir={tmp_path / name}",
+                "trainer.steps=2",
+                "trainer.val_every=2",
+                "trainer.progress=false",
+                *overrides,
+            ],
+        )
+        assert recipe.model.tiny == "qwen_image_edit_plus"
+        return train(recipe)
+
+    rows = run("embedded")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(np.isfinite(r["loss"]) for r in rows) and "val/reward_mean" in rows[1]
+    served = run("http", "rollout.backend=http")
+    for a, b in zip(rows, served, strict=True):
+        for k in ("reward/mean", "reward/std", "loss", "val/reward_mean"):
+            if k in a:
+                assert b[k] == pytest.approx(a[k], abs=1e-5), (k, a[k], b[k])

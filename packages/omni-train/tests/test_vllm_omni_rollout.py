@@ -17,35 +17,21 @@ import pytest
 
 pytest.importorskip("vllm_omni.diffusion.data")
 
+from omni_train_testutils import minimal_recipe
+
 from omni_train import train
 from omni_train.recipe import recipe_from_dict
 
-TIMING = ("timing/", "perf/")
-
 
 def _recipe(tmp, model) -> dict:
-    return {
-        "experiment": "vllm-omni",
-        "model": {"path": str(model), "tiny": "sd3"},
-        "data": {"prompts": ["a red square", "a blue circle"], "prompts_per_step": 2},
-        "rollout": {
-            "n": 4,
-            "height": 32,
-            "width": 32,
-            "num_steps": 4,
-            "sde_window_size": 2,
-            "sde_window_range": [0, 3],
-            "noise_level": 0.8,
-            "max_num_seqs": 8,
-        },
-        "reward": {"name": "brightness"},
-        # the setting for an engine apart from the trainer: the trainer recomputes the
-        # log-probs and weights each sample by how far the engine's are from its own
-        "algorithm": {"name": "flow_grpo", "clip_range": 0.2, "rollout_correction": "decoupled"},
-        "lora": {"rank": 4, "alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]},
-        "optimizer": {"lr": 2e-2},
-        "trainer": {"steps": 3, "progress": False, "sample_every": 0, "output_dir": str(tmp)},
-    }
+    d = minimal_recipe(tmp, model, steps=3)
+    d["rollout"].update({"sde_window_range": [0, 3], "noise_level": 0.8, "max_num_seqs": 8})
+    # the setting for an engine apart from the trainer: the trainer recomputes the log-probs
+    # and weights each sample by how far the engine's are from its own
+    d["algorithm"] = {"name": "flow_grpo", "clip_range": 0.2, "rollout_correction": "decoupled"}
+    d["lora"] = {"rank": 4, "alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+    d["optimizer"] = {"lr": 2e-2}
+    return d
 
 
 def test_a_run_on_vllm_omni_trains_like_the_embedded_engine(tmp_path, tiny_sd3, monkeypatch):
