@@ -93,6 +93,8 @@ def _float64_error_bound(rewards32: torch.Tensor, ref: torch.Tensor, std: str, e
 @example(rewards=[42.859375, 42.859375, 42.8557828], ngroups=1, std="group", seed=0)
 @example(rewards=[1.8047759831677865] * 3, ngroups=1, std="global", seed=0)
 @example(rewards=[21.8359375, 21.8359375, 21.83680298911645], ngroups=1, std="global", seed=0)
+# a subnormal float32 result (|A| < 2**-126), where the rounding error is absolute, not relative
+@example(rewards=[0.0, 0.0, 1.175494351e-38], ngroups=1, std="none", seed=0)
 def test_property_group_sums_zero_and_matches_reference(rewards, ngroups, std, seed):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, ngroups, (len(rewards),), generator=g).tolist()
@@ -101,9 +103,10 @@ def test_property_group_sums_zero_and_matches_reference(rewards, ngroups, std, s
     assert got.dtype == torch.float32
     assert torch.isfinite(got).all()
     ref = _ref(rewards32.double().tolist(), ids, std)
-    # The result is rounded once to float32 (relative error <= 2**-24); the float64 work on
-    # either side differs by at most _float64_error_bound.
-    bound = _float64_error_bound(rewards32, ref, std)
+    # The result is rounded once to float32 (relative error <= 2**-24, or at most 2**-150
+    # absolute for a subnormal result); the float64 work on either side differs by at most
+    # _float64_error_bound.
+    bound = _float64_error_bound(rewards32, ref, std) + 2.0**-150
     torch.testing.assert_close(got.double(), ref, atol=bound, rtol=2.0**-24)
     for gid in set(ids):
         idx = [i for i, x in enumerate(ids) if x == gid]

@@ -48,8 +48,9 @@ def flow_grpo(
     ``loss = mean(w * max(-A r, -A clip(r, 1 - eps, 1 + eps)))`` with ``eps = clip_range``
     and ``w`` the optional per-sample weights (e.g. rollout-correction weights; default 1).
 
-    Metrics: ``policy_loss``, ``ratio_mean``, ``ratio_std``, ``ratio_dev_sq_mean``, ``clipfrac`` (= higher + lower),
-    ``clipfrac_higher`` (r - 1 > eps), ``clipfrac_lower`` (1 - r > eps),
+    Metrics: ``policy_loss``, ``ratio_mean``, ``ratio_std``, ``ratio_dev_sq_mean``,
+    ``clipfrac`` (= higher + lower), ``clipfrac_higher`` (r - 1 > eps), ``clipfrac_lower``
+    (1 - r > eps),
     ``approx_kl = 0.5 mean((lp - lp_old)^2)``, ``advantage_mean``.
     """
     dtype = compute_dtype(log_prob, old_log_prob, advantages)

@@ -39,9 +39,9 @@ __all__ = [
     "UpdateSettings",
     "item_groups",
     "kl_metric_rows",
+    "minibatch_spreads",
     "optimizer_step",
     "run_optimizer_steps",
-    "whole_batch_spreads",
 ]
 
 
@@ -130,13 +130,14 @@ class UpdateContext:
 DEV_SQ_SUFFIX = "_dev_sq_mean"
 
 
-def whole_batch_spreads(means: dict[str, float]) -> dict[str, float]:
-    """``means`` with each ``X_std`` the whole batch's (population) std of ratio ``X``,
+def minibatch_spreads(means: dict[str, float]) -> dict[str, float]:
+    """``means`` (metrics already reduced over a minibatch: every micro-batch, window step and
+    rank) with each ``X_std`` the minibatch's population std of ratio ``X``,
     ``sqrt(X_dev_sq_mean - (X_mean - 1)^2)``, and the ``X_dev_sq_mean`` keys dropped.
 
     A loss reports the std of the piece it saw (a micro-batch, one window step, one rank's
-    rows); a mean of those is not the batch's std and changes with the split (one-row
-    micro-batches read 0). The element means it also reports do add up to the batch's."""
+    rows); a mean of those is not the minibatch's std and changes with the split (one-row
+    micro-batches read 0). The element means it also reports do add up to the minibatch's."""
     out = {k: v for k, v in means.items() if not k.endswith(DEV_SQ_SUFFIX)}
     for k, v in means.items():
         name = k.removesuffix(DEV_SQ_SUFFIX)
@@ -159,10 +160,10 @@ class MeanMetrics:
 
     def add_reduced(self, collective: Collective, weighted: dict[str, float]) -> None:
         """Sum `weighted` (this rank's share-weighted values) over ranks and add each, with
-        each spread recomputed from the sums (`whole_batch_spreads`)."""
+        each spread recomputed from the sums (`minibatch_spreads`)."""
         keys = sorted(weighted)
         summed = dict(zip(keys, collective.all_sum([weighted[k] for k in keys]), strict=True))
-        for k, v in whole_batch_spreads(summed).items():
+        for k, v in minibatch_spreads(summed).items():
             self.add(k, v)
 
     def means(self) -> dict[str, float]:
