@@ -330,19 +330,24 @@ def _loop(recipe, rollout, reward, tmp):
     return DiffusionLoop(recipe, Ports(None, rollout, lambda: reward), tmp)
 
 
-def test_rollout_seeds_and_rewards_independent_of_split(pools, sd3_pool):
+@pytest.mark.parametrize("name", [n for n, a in ALGORITHMS.items() if a.model == "diffusion"])
+def test_rollout_seeds_and_rewards_independent_of_split(name, pools, sd3_pool):
+    """Each algorithm's own rollout requests (DanceGRPO's SDE, MixGRPO's window and ODE
+    stride, the ODE rollouts of DiffusionNFT and DPO...) give the same trajectories and rewards
+    on the two Ray rollout workers as on one embedded engine."""
     from diffusion_rollout import EmbeddedEngine
 
-    recipe = pools["recipe"]
-    loop = _loop(recipe, pools["rollout"], pools["reward"], sd3_pool["tmp"] / "split")
-    reqs = loop.requests_for(0)
+    recipe = recipe_from_dict(_recipe_for(name, sd3_pool["base"]))
+    loop = _loop(recipe, pools["rollout"], pools["reward"], sd3_pool["tmp"] / f"split-{name}")
+    reqs = loop.requests_for(1)
     got = pools["rollout"].generate_many(reqs)
     with EmbeddedEngine(load_policy(recipe), max_num_seqs=16) as engine:
         want = engine.generate_many(reqs)
     assert [t.request_id for t in got] == [r.request_id for r in reqs]
     for a, b in zip(want, got):
-        assert a.window == b.window and a.seed == b.seed
+        assert a.window == b.window and a.seed == b.seed and a.params == b.params
         torch.testing.assert_close(b.latents, a.latents, atol=1e-5, rtol=0)
+        torch.testing.assert_close(b.final_latent, a.final_latent, atol=1e-5, rtol=0)
         torch.testing.assert_close(b.log_probs, a.log_probs, atol=1e-4, rtol=0)
     ours, _, _ = loop.score(got, 0)
     local_reward = build_reward(recipe)
