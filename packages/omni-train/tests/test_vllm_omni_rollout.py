@@ -34,28 +34,39 @@ def _recipe(tmp, model) -> dict:
     return d
 
 
-def test_a_run_on_vllm_omni_trains_like_the_embedded_engine(tmp_path, tiny_sd3, monkeypatch):
+@pytest.fixture
+def started(monkeypatch) -> list:
+    """Every `VllmOmniEngine` a run starts gets an in-process ``AsyncOmni`` built from the
+    arguments the run gave it; the list collects ``(kwargs, omni)`` per engine."""
     import omni_train.loops.run as run_module
     from diffusion_rollout import VllmOmniEngine
-    from diffusion_rollout.vllm_backend import LOAD_METHOD, PIPELINE_CLASS
     from diffusion_rollout.vllm_inprocess import in_process_omni
 
     # this environment holds diffusion-rollout's dependencies, not matplotlib: no reward curve
     monkeypatch.setattr(run_module, "plot_reward_curve", lambda *a, **k: None)
-    started = []
+    engines: list = []
 
     async def make_omni(self, kwargs):
-        started.append((kwargs, in_process_omni(**kwargs)))
-        return started[-1][1]
+        engines.append((kwargs, in_process_omni(**kwargs)))
+        return engines[-1][1]
 
     monkeypatch.setattr(VllmOmniEngine, "_make_omni", make_omni)
+    return engines
 
-    embedded = train(recipe_from_dict(_recipe(tmp_path / "e", tiny_sd3)))
-    recipe = recipe_from_dict(_recipe(tmp_path / "v", tiny_sd3))
+
+def _on_vllm_omni(d: dict):
+    recipe = recipe_from_dict(d)
     # The recipe refuses vllm-omni without model.device cuda (its executor needs a GPU); the
     # in-process engine does not, so the backend is set after that check.
     recipe.rollout.backend = "vllm-omni"
-    served = train(recipe)
+    return recipe
+
+
+def test_a_run_on_vllm_omni_trains_like_the_embedded_engine(tmp_path, tiny_sd3, started):
+    from diffusion_rollout.vllm_backend import LOAD_METHOD, PIPELINE_CLASS
+
+    embedded = train(recipe_from_dict(_recipe(tmp_path / "e", tiny_sd3)))
+    served = train(_on_vllm_omni(_recipe(tmp_path / "v", tiny_sd3)))
 
     (kwargs, omni), *more = started
     assert not more  # one engine for the run
@@ -74,3 +85,25 @@ def test_a_run_on_vllm_omni_trains_like_the_embedded_engine(tmp_path, tiny_sd3, 
         assert b["correction/logprob_abs_diff_max"] < 1e-4
         assert b["correction/rejected_frac"] == 0.0
     assert served[-1]["reward/mean"] != served[0]["reward/mean"]  # the pushed LoRA is in use
+
+
+def test_async_mode_on_vllm_omni_trains_like_the_embedded_engine(tmp_path, tiny_sd3, started):
+    """`trainer.mode: async`: step k+1 rolls out on the engine while step k updates, and the
+    run (staleness, corrections, rewards, losses) is the embedded engine's async run."""
+
+    def recipe_dict(name: str) -> dict:
+        d = _recipe(tmp_path / name, tiny_sd3)
+        d["algorithm"]["rollout_correction"] = "off"  # stale samples get async_correction
+        d["trainer"].update({"mode": "async", "max_staleness": 1, "threads": 1})
+        return d
+
+    embedded = train(recipe_from_dict(recipe_dict("e")))
+    served = train(_on_vllm_omni(recipe_dict("v")))
+    assert len(started) == 1
+    assert [r["async/staleness_max"] for r in served] == [0.0, 1.0, 1.0]
+    assert [r["rollout/version"] for r in served] == [0, 0, 1]
+    assert "correction/is_weight_mean" in served[1]  # the stale samples were corrected
+    for a, b in zip(embedded, served, strict=True):
+        for k in ("reward/mean", "loss", "actor/grad_norm", "correction/is_weight_mean"):
+            if k in a or k in b:
+                assert b[k] == pytest.approx(a[k], abs=1e-5), (k, a.get(k), b.get(k))
