@@ -20,6 +20,7 @@ package with uv, which is what a user who runs `pip install <package>` gets.
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -283,7 +284,7 @@ def tests_verl(session: nox.Session) -> None:
 @nox.session(name="tests-vllm-omni", venv_backend="none")
 def tests_vllm_omni(session: nox.Session) -> None:
     """The vllm-omni backend's contract tests against vllm-omni's own classes, and an
-    omni-train run on that backend (`tests/test_vllm_omni_rollout.py`), in the lock's
+    omni-train runs on that backend, local and on Ray (`tests/test_vllm_omni_rollout.py`), in the lock's
     `vllm-omni` fork (vllm-omni 0.30 + vLLM 0.30 pin transformers, diffusers and torch apart
     from the workspace)."""
     # diffusion-rollout's own `vllm-omni` extra, not the root's: synced through the root, the
@@ -313,11 +314,23 @@ def tests_vllm_omni(session: nox.Session) -> None:
     session.run(
         "uv", "pip", "install", "--quiet", "--python", python, "--no-deps", *editable, external=True
     )
+    # and Ray, for the run under `trainer.backend: ray`: the lock's version; its own dependencies
+    # are in this fork already, so nothing else changes
+    ray = f"ray=={_locked_version('ray')}"
+    session.run("uv", "pip", "install", "--quiet", "--python", python, ray, external=True)
     for package, test_file in (
         ("diffusion-rollout", "packages/diffusion-rollout/tests/test_vllm_backend.py"),
         ("omni-train", "packages/omni-train/tests/test_vllm_omni_rollout.py"),
     ):
         _pytest(session, python, package, *session.posargs, target=test_file)
+
+
+def _locked_version(name: str) -> str:
+    """The version of ``name`` in uv.lock (one version for every fork). A pattern, not a TOML
+    parser: tomllib is not in Python 3.10, which the workspace admits."""
+    entry = rf'\[\[package\]\]\nname = "{re.escape(name)}"\nversion = "([^"]+)"'
+    (version,) = set(re.findall(entry, (ROOT / "uv.lock").read_text()))
+    return version
 
 
 def _wheel(dist: Path, package: str) -> Path:

@@ -1,6 +1,7 @@
 """rollout.backend: vllm-omni from omni-train, end to end: the run starts its `VllmOmniEngine`
 with the LoRA config and `rollout.max_num_seqs`, pushes each step's LoRA through vllm-omni's
-worker RPC, and gets the embedded engine's trajectories, so the same rewards and updates.
+worker RPC, and gets the embedded engine's trajectories, so the same rewards and updates: on
+the local backend (sync and async) and under `trainer.backend: ray`.
 
 vllm-omni's GPU executor cannot run on this machine: the engine's ``AsyncOmni`` is replaced by
 `diffusion_rollout.vllm_inprocess.in_process_omni`, built from the very arguments the run
@@ -107,3 +108,39 @@ def test_async_mode_on_vllm_omni_trains_like_the_embedded_engine(tmp_path, tiny_
         for k in ("reward/mean", "loss", "actor/grad_norm", "correction/is_weight_mean"):
             if k in a or k in b:
                 assert b[k] == pytest.approx(a[k], abs=1e-5), (k, a.get(k), b.get(k))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_ray_run_on_vllm_omni_trains_like_the_embedded_engine(
+    tmp_path, tiny_sd3, started, ray_session
+):
+    """`trainer.backend: ray` with the vllm-omni rollout: two FSDP ranks on Ray train, the
+    driver starts the one engine, and each step's LoRA, gathered from the ranks' shards, goes
+    through vllm-omni's worker RPC; the run is the local embedded engine's."""
+    from diffusion_rollout.vllm_backend import LOAD_METHOD
+
+    def recipe_dict(name: str) -> dict:
+        d = _recipe(tmp_path / name, tiny_sd3)
+        # Adam's first step is lr * g / (|g| + eps): eps 1e-4 keeps the ranks' reduction order
+        # (2 ranks vs 1 process) from showing up as a weight difference, and lr 0.5 still moves
+        # the policy enough that an engine one LoRA behind would read log-probs 1e-3 apart
+        # (measured with trainer.mode async, max_staleness 1), ten times the bound below
+        d["optimizer"] = {"lr": 0.5, "eps": 1e-4}
+        return d
+
+    embedded = train(recipe_from_dict(recipe_dict("e")))
+    on_ray = recipe_dict("r")
+    on_ray["trainer"].update({"backend": "ray", "num_workers": 2})
+    served = train(_on_vllm_omni(on_ray))
+
+    (kwargs, omni), *more = started
+    assert not more and kwargs["model"] == str(tiny_sd3)
+    assert omni.rpcs.count(LOAD_METHOD) >= 2
+    assert [r["weights/version"] for r in served] == [1, 2, 3]
+    assert [r["rollout/version"] for r in served] == [0, 1, 2]
+    for a, b in zip(embedded, served, strict=True):
+        for k in ("reward/mean", "reward/std", "loss", "actor/grad_norm", "actor/ratio_std"):
+            assert b[k] == pytest.approx(a[k], abs=1e-4), (k, a[k], b[k])
+        assert b["correction/logprob_abs_diff_max"] < 1e-4
+    assert served[-1]["reward/mean"] != served[0]["reward/mean"]
