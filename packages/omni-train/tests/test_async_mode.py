@@ -68,6 +68,26 @@ def test_staleness_stats():
         staleness_stats(1, [2])
 
 
+def test_rollout_history_keeps_copies_of_the_versions_a_checkpoint_needs():
+    import torch
+
+    from omni_train.loops.schedule import RolloutHistory
+
+    saves = {2, 4, 5}  # checkpoints after 2, 4 and 5 completed steps
+    for s in (1, 2):
+        history = RolloutHistory(s, lambda n: n in saves)
+        live = {"w": torch.zeros(3)}  # a learner's export shares its parameters' storage
+        for version in range(6):
+            live["w"].fill_(float(version))
+            history.add(live, version)
+            if version in saves:  # the loop saves right after pushing version N = steps done
+                held = history.for_checkpoint(version)
+                assert sorted(held) == list(range(max(0, version - s), version))
+                assert all(held[v]["w"].eq(float(v)).all() for v in held)
+        # only what a checkpoint still to come could need, never more than s versions
+        assert len(history.kept) <= s
+
+
 def _timed_run(r, tmp):
     """Train with the ports' rollout and update wrapped to record (start, end) per step (the
     validation's rollouts, made on the loop's thread beside the prefetch, are not recorded)."""
@@ -217,3 +237,41 @@ def test_threads_auto_is_refused_where_it_does_not_apply(train_dict):
     d["model"]["device"] = "cuda"  # CoreShare measures CPU cores: nothing to follow on a GPU
     with pytest.raises(RecipeError, match=r"trainer\.threads: `auto`.*model\.device cuda"):
         recipe_from_dict(d)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_an_async_run_resumed_repeats_the_uninterrupted_one(tmp_path, tiny_sd3, max_staleness):
+    """The rollout of step j is launched on version max(0, j - max_staleness), so after N
+    steps the next rollouts run on versions N - S .. N - 1, not on the checkpoint's version N:
+    the checkpoint holds those too (`rollout/version_V.safetensors`), and the resumed run
+    launches its first rollouts on them and ends with the uninterrupted run's metrics."""
+    import shutil
+
+    from omni_train import resume, train
+    from omni_train.logger import read_metrics
+
+    r = recipe(
+        tmp_path,
+        tiny_sd3,
+        steps=5,
+        save_every=2,
+        keep_checkpoints=5,
+        max_staleness=max_staleness,
+        val_every=0,
+    )
+    whole = train(r)
+    ck = tmp_path / "run" / "checkpoint" / "step_0002"
+    held = sorted(p.name for p in (ck / "rollout").iterdir())
+    assert held == [f"version_{v}.safetensors" for v in range(2 - max_staleness, 2)]
+    run = tmp_path / "cut"
+    shutil.copytree(tmp_path / "run", run)
+    resume(run, checkpoint=2)
+    rows = read_metrics(run / "metrics.jsonl")
+
+    def det(rows):
+        return [
+            {k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows
+        ]
+
+    assert [r["rollout/version"] for r in rows] == [max(0, j - max_staleness) for j in range(5)]
+    assert det(rows) == det(whole)

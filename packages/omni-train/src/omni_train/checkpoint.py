@@ -123,6 +123,8 @@ class Checkpoint:
     rng_tensors: dict[str, torch.Tensor]
     rng_meta: dict[str, Any]
     state: dict[str, Any] = field(default_factory=dict)
+    # weights version -> the rollout weights of that version (an async run's older versions)
+    rollout_versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def restore_rng(self) -> None:
         restore_rng(self.rng_tensors, self.rng_meta)
@@ -158,12 +160,15 @@ def save_checkpoint(
     lora_tensors: dict[str, torch.Tensor] | None = None,
     lora_config: dict[str, Any] | None = None,
     keep: int = 2,
+    rollout_versions: dict[int, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write checkpoint `step_XXXX` under `ckpt_root` atomically and point `latest` at it.
 
     `step` is the number of completed training steps; `optimizer_state` an optimizer's
     ``state_dict()`` (None: not saved). `lora_tensors` / `lora_config` (or raw `lora_files`)
-    are the user-facing LoRA export, written to `lora/`.
+    are the user-facing LoRA export, written to `lora/`. `rollout_versions` (weights version ->
+    rollout weights) go to `rollout/version_N.safetensors`: the older versions an async run's
+    rollouts in flight were launched on, so that a resume launches them on the same ones.
     """
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
@@ -187,6 +192,13 @@ def save_checkpoint(
             _write_json(tmp / "lora" / "adapter_config.json", lora_config)
         for fname, data in (lora_files or {}).items():
             (tmp / "lora" / fname).write_bytes(data)
+    if rollout_versions:
+        (tmp / "rollout").mkdir()
+        for version, tensors in rollout_versions.items():
+            save_file(
+                {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                str(tmp / "rollout" / f"version_{int(version)}.safetensors"),
+            )
     if optimizer_state is not None:
         opt_tensors, opt_meta = optimizer_state_to_safe(optimizer_state)
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
@@ -345,7 +357,11 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         rng_tensors = load_file(str(p / "rng.safetensors"))
         rng_meta = json.loads((p / "rng.json").read_text())
         step = int(state["step"])
+        rollout_versions = {
+            int(f.stem.removeprefix("version_")): load_file(str(f))
+            for f in sorted((p / "rollout").glob("version_*.safetensors"))
+        }
     except (OSError, ValueError, KeyError, TypeError) as exc:  # a checkpoint of an older
         # layout without a manifest that is broken anyway: say which, never a traceback
         raise CheckpointError(f"checkpoint {p} cannot be read: {exc}") from None
-    return Checkpoint(p, step, trainable, optimizer, rng_tensors, rng_meta, state)
+    return Checkpoint(p, step, trainable, optimizer, rng_tensors, rng_meta, state, rollout_versions)

@@ -49,7 +49,13 @@ from ..recipe import Recipe
 from ..seeds import DOMAIN_VAL, derive_seed, sample_seed
 from ..updates import forward_draws, pair_batch, replay_batch, sample_batch
 from .run import RunFolder, sample_due, save_due, val_due
-from .schedule import CoreShare, PrefetchRollout, SyncRollout, staleness_stats
+from .schedule import (
+    CoreShare,
+    PrefetchRollout,
+    RolloutHistory,
+    SyncRollout,
+    staleness_stats,
+)
 
 __all__ = ["DiffusionLoop", "media_fields", "still_frames"]
 
@@ -391,19 +397,39 @@ class DiffusionLoop:
         t = r.trainer
         self.run = RunFolder(r, self.run_dir, fresh=resume_from is None)
         start = 0
+        # the weight pushes a resume makes, oldest first: an async checkpoint also holds the
+        # older versions its next rollouts were launched on (schedule.RolloutHistory)
+        pushes: list[tuple[Any, int]] = []
         if resume_from is not None:
-            start, self.version = self.run.restore(resume_from, self.learner)
-            self.ports.rollout.update_weights(self.learner.rollout_weights(), self.version)
+            start, self.version, older = self.run.restore(resume_from, self.learner)
+            if t.mode == "async":
+                pushes = [(older[v], v) for v in sorted(older)]
+            pushes.append((self.learner.rollout_weights(), self.version))
+        self.history = None
         if t.mode == "async":
+            self.history = RolloutHistory(t.max_staleness, lambda n: save_due(r, n - 1))
+            if not pushes:  # a fresh run
+                pushes = [(self.learner.rollout_weights(), 0)]
+            for tensors, version in pushes:
+                self.history.add(tensors, version)
+            (tensors, version), *later = pushes
+            # a port this process started holds version 0, the initial weights, already (and
+            # takes only newer versions); a server at rollout.url may hold anything
+            if resume_from is not None and (version > 0 or r.rollout.url is not None):
+                self.ports.rollout.update_weights(tensors, version)
             rollout: Any = PrefetchRollout(
                 self.ports.rollout,
                 self.requests_for,
                 max_staleness=t.max_staleness,
                 total_steps=t.steps,
-                version=self.version,
+                version=version,
                 next_step=start,
             )
+            if resume_from is not None:
+                rollout.resume(later)
         else:
+            for tensors, version in pushes:
+                self.ports.rollout.update_weights(tensors, version)
             reuse = r.reuses_rollout_forward()
             auto = r.algorithm.reuse_rollout_forward == "auto"
             rollout = SyncRollout(
@@ -481,7 +507,10 @@ class DiffusionLoop:
                 path = self.save_bad_samples(trajs, media, step, rewards, "loss")
                 raise NonFiniteError(f"step {step + 1}: {exc}; samples saved to {path}") from None
         self.version = step + 1
-        rollout.push_weights(self.learner.rollout_weights(), self.version)  # 5
+        weights = self.learner.rollout_weights()
+        rollout.push_weights(weights, self.version)  # 5
+        if self.history is not None:
+            self.history.add(weights, self.version)
         t3 = time.perf_counter()
         row: dict[str, Any] = {  # 6
             "step": step + 1,
@@ -519,7 +548,15 @@ class DiffusionLoop:
             row.update(self.validate(step + 1))
         t5 = time.perf_counter()
         if save_due(self.recipe, step):
-            self.run.save(step + 1, self.learner, self.version, diffusers_lora=True, row=row)
+            older = None if self.history is None else self.history.for_checkpoint(step + 1)
+            self.run.save(
+                step + 1,
+                self.learner,
+                self.version,
+                diffusers_lora=True,
+                row=row,
+                rollout_versions=older,
+            )
         t6 = time.perf_counter()
         row["timing/rollout_s"] = t1 - t0
         row["timing/reward_s"] = t2 - t1  # what the rollout did not hide

@@ -168,7 +168,7 @@ class OmniLoop:
         self.run = RunFolder(r, self.run_dir, fresh=resume_from is None)
         start = 0
         if resume_from is not None:
-            start, self.version = self.run.restore(resume_from, self.learner)
+            start, self.version, _ = self.run.restore(resume_from, self.learner)
             self.ports.rollout.update_weights(self.learner.rollout_weights(), self.version)
         rows: list[dict[str, Any]] = []
         self.run.start(start)

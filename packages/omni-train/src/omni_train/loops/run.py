@@ -103,12 +103,20 @@ class RunFolder:
 
     # ------------------------------------------------------------------ checkpoints
     def save(
-        self, step: int, learner: Any, version: int, *, diffusers_lora: bool, row: dict | None
+        self,
+        step: int,
+        learner: Any,
+        version: int,
+        *,
+        diffusers_lora: bool,
+        row: dict | None,
+        rollout_versions: dict[int, dict[str, Any]] | None = None,
     ) -> Path:
         """Checkpoint `step_{step}` (completed steps) with the learner's whole state, the LoRA
         in peft's layout and, for diffusion models, diffusers' `pytorch_lora_weights`. The
         step's metrics row goes in too, so a kill between the save and the row's append loses
-        nothing: `restore` writes it back."""
+        nothing: `restore` writes it back. `rollout_versions`: older weight versions that
+        rollouts in flight were launched on (async mode, `schedule.RolloutHistory`)."""
         trainable, optimizer = learner.state()
         lora = learner.lora_export()
         files: dict[str, bytes] = {}
@@ -143,16 +151,20 @@ class RunFolder:
             lora_config=None if lora is None else lora[1],
             lora_files=files,
             keep=self.recipe.trainer.keep_checkpoints,
+            rollout_versions=rollout_versions,
         )
 
-    def restore(self, checkpoint: str | Path, learner: Any) -> tuple[int, int]:
-        """Load a checkpoint into the learner and the RNGs; returns (step, weights version)
-        and drops metrics rows after that step (the resumed run writes them again)."""
+    def restore(
+        self, checkpoint: str | Path, learner: Any
+    ) -> tuple[int, int, dict[int, dict[str, Any]]]:
+        """Load a checkpoint into the learner and the RNGs; returns (step, weights version,
+        the older rollout versions it holds) and drops metrics rows after that step (the
+        resumed run writes them again)."""
         ck = load_checkpoint(checkpoint)
         learner.load_state(ck.trainable, ck.optimizer)
         ck.restore_rng()
         repair_metrics(self.logger, ck.step, ck.state)
-        return ck.step, int(ck.state.get("version", ck.step))
+        return ck.step, int(ck.state.get("version", ck.step)), ck.rollout_versions
 
     # ------------------------------------------------------------------ progress and logs
     def start(self, first_step: int) -> None:

@@ -15,6 +15,12 @@ most `trainer.max_staleness` (0 is the synchronous schedule). With staleness 1 t
 step k+1 (on version k) runs while step k updates. A new version is loaded only after the
 rollouts in flight have finished, so a rollout never mixes two versions. Stale samples are
 off-policy: the loop weights them with `trainer.async_correction` (`omni_algos.correction`).
+
+Resume: the rollout of step j is launched on version max(0, j - max_staleness), so when a
+checkpoint is written after N steps (at version N), the rollouts of steps N .. N + S - 1 run or
+are about to run on versions N - S .. N - 1. `RolloutHistory` keeps those versions for the
+checkpoint, and `PrefetchRollout.resume` pushes them again in order: the resumed run samples
+what the uninterrupted one sampled.
 """
 
 from __future__ import annotations
@@ -159,6 +165,38 @@ class SyncRollout:
         pass
 
 
+def _owned_copy(tensors: Any) -> dict[str, torch.Tensor]:
+    """Rollout weights as CPU tensors that no later update changes (a learner's export can
+    share storage with its parameters; an FSDP learner's pieces are put together)."""
+    if hasattr(tensors, "whole"):
+        tensors = tensors.whole()
+    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+
+
+class RolloutHistory:
+    """The older rollout versions an async checkpoint holds (module docstring, Resume).
+
+    ``saved_after(n)``: whether a checkpoint is written after n completed steps. A version v
+    is kept only if such a checkpoint needs it (v < n <= v + max_staleness), as a CPU copy,
+    and dropped once no later checkpoint can."""
+
+    def __init__(self, max_staleness: int, saved_after: Callable[[int], bool]) -> None:
+        self.max_staleness = max_staleness
+        self.saved_after = saved_after
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
+
+    def add(self, tensors: Any, version: int) -> None:
+        s = self.max_staleness
+        self.kept = {v: w for v, w in self.kept.items() if v >= version - s}
+        if any(self.saved_after(n) for n in range(version + 1, version + s + 1)):
+            self.kept[version] = _owned_copy(tensors)
+
+    def for_checkpoint(self, completed: int) -> dict[int, dict[str, torch.Tensor]]:
+        """The versions the rollouts after `completed` steps were launched on."""
+        wanted = range(max(0, completed - self.max_staleness), completed)
+        return {v: self.kept[v] for v in wanted if v in self.kept}
+
+
 @dataclass
 class _Launched:
     future: concurrent.futures.Future
@@ -236,6 +274,14 @@ class PrefetchRollout:
         self.version = version
         self._launch_ready()
         self._share_threads()
+
+    def resume(self, pushes: list[tuple[Any, int]]) -> None:
+        """After a resume, with the port on the oldest version the checkpoint held: launch
+        what that version allows, then make the uninterrupted run's later pushes in turn
+        (``(tensors, version)``, oldest first), each launching what it allows."""
+        self._launch_ready()
+        for tensors, version in pushes:
+            self.push_weights(tensors, version)
 
     def close(self) -> None:
         for item in self.launched.values():
