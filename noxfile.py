@@ -283,8 +283,8 @@ def tests_verl(session: nox.Session) -> None:
 
 @nox.session(name="tests-vllm-omni", venv_backend="none")
 def tests_vllm_omni(session: nox.Session) -> None:
-    """The vllm-omni backend's contract tests against vllm-omni's own classes, and an
-    omni-train runs on that backend, local and on Ray (`tests/test_vllm_omni_rollout.py`), in the lock's
+    """The vllm-omni backend's contract tests against vllm-omni's own classes, and omni-train
+    runs on that backend, local and on Ray (`tests/test_vllm_omni_rollout.py`), in the lock's
     `vllm-omni` fork (vllm-omni 0.30 + vLLM 0.30 pin transformers, diffusers and torch apart
     from the workspace)."""
     # diffusion-rollout's own `vllm-omni` extra, not the root's: synced through the root, the
