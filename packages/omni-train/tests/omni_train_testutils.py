@@ -42,3 +42,9 @@ def minimal_recipe(run_dir, model, **trainer) -> dict:
             **trainer,
         },
     }
+
+
+def without_timings(rows: list[dict]) -> list[dict]:
+    """Metric rows without the wall-clock ones (`timing/`, `perf/`): what two runs of the same
+    recipe and seed must agree on bit for bit."""
+    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from omni_train_testutils import without_timings
 
 from omni_train.backends import make_ports
 from omni_train.errors import TrainError
@@ -268,10 +269,5 @@ def test_an_async_run_resumed_repeats_the_uninterrupted_one(tmp_path, tiny_sd3, 
     resume(run, checkpoint=2)
     rows = read_metrics(run / "metrics.jsonl")
 
-    def det(rows):
-        return [
-            {k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows
-        ]
-
     assert [r["rollout/version"] for r in rows] == [max(0, j - max_staleness) for j in range(5)]
-    assert det(rows) == det(whole)
+    assert without_timings(rows) == without_timings(whole)

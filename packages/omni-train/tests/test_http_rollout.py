@@ -21,7 +21,6 @@ from omni_train.errors import TrainError
 from omni_train.recipe import recipe_from_dict
 
 pytest.importorskip("httpx")
-TIMING = ("timing/", "perf/")
 
 
 def _recipe(
@@ -98,10 +97,6 @@ def _serve(model: Path) -> tuple[str, subprocess.Popen]:
             if time.monotonic() > deadline:
                 proc.kill()
                 raise
-
-
-def _det(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
 @pytest.mark.slow

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from omni_train_testutils import without_timings
 
 from omni_train import resume, train
 from omni_train.logger import read_metrics
 from omni_train.recipe import load_recipe
-
-TIMING_PREFIXES = ("timing/", "perf/")
 
 REPO = Path(__file__).resolve().parents[3]
 TINY_RECIPE = REPO / "recipes" / "tiny" / "sd3_brightness_flowgrpo.yaml"
@@ -156,10 +155,6 @@ def test_omni_twin_val_reward_rises_above_chance(tmp_path: Path, tiny_thinker: P
     assert r[-25:].mean() > r[:25].mean() + 0.1, r.round(3).tolist()
 
 
-def _det(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
-
-
 @pytest.mark.slow
 def test_sigkill_then_resume_matches(tmp_path: Path, tiny_sd3: Path) -> None:
     """A run killed with SIGKILL mid-training, resumed, ends with the uninterrupted metrics."""
@@ -205,7 +200,7 @@ def test_sigkill_then_resume_matches(tmp_path: Path, tiny_sd3: Path) -> None:
     resume(run, ["trainer.progress=false"])  # a fresh trainer, as `omni-train resume RUN`
     resumed = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(9))  # step 0: the validation baseline
-    assert _det(resumed) == _det(full)
+    assert without_timings(resumed) == without_timings(full)
     state = json.loads((run / "checkpoint" / "step_0008" / "state.json").read_text())
     assert state["step"] == 8
 
@@ -217,7 +212,7 @@ def test_sigkill_then_resume_matches(tmp_path: Path, tiny_sd3: Path) -> None:
     lines = (cut / "metrics.jsonl").read_text().splitlines(keepends=True)
     (cut / "metrics.jsonl").write_text("".join(lines[:6]))  # steps 0-5
     resume(cut, ["trainer.progress=false"])
-    assert _det(read_metrics(cut / "metrics.jsonl")) == _det(full)
+    assert without_timings(read_metrics(cut / "metrics.jsonl")) == without_timings(full)
 
 
 TWINS = sorted((REPO / "recipes" / "cpu").glob("*.yaml"))

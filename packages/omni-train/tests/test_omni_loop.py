@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omni_train_testutils import without_timings
 
 from omni_train import resume, train
 from omni_train.backends import make_ports
@@ -13,8 +14,6 @@ from omni_train.errors import TrainError
 from omni_train.logger import read_metrics
 from omni_train.loops import OmniLoop
 from omni_train.recipe import RecipeError, recipe_from_dict
-
-TIMING_PREFIXES = ("timing/", "perf/")
 
 
 def _omni_dict(tmp_path: Path, model: Path, **sections) -> dict:
@@ -46,10 +45,6 @@ def _omni_dict(tmp_path: Path, model: Path, **sections) -> dict:
     return d
 
 
-def _det(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
-
-
 def test_two_gspo_steps_write_metrics_and_replay_matches(tiny_thinker, tmp_path: Path) -> None:
     recipe = recipe_from_dict(_omni_dict(tmp_path, tiny_thinker))
     assert recipe.is_omni()
@@ -61,7 +56,7 @@ def test_two_gspo_steps_write_metrics_and_replay_matches(tiny_thinker, tmp_path:
     on_disk = read_metrics(Path(recipe.trainer.output_dir) / "metrics.jsonl")
     assert on_disk[0]["step"] == 0 and "val/reward_mean" in on_disk[0]  # the baseline
     on_disk = on_disk[1:]
-    assert _det(on_disk) == _det(rows)
+    assert without_timings(on_disk) == without_timings(rows)
     for key in ("reward/mean", "loss", "actor/grad_norm", "rollout/logprob_abs_diff_max"):
         assert key in on_disk[0], key
     # minibatch 0 replays the responses on the rollout weights: the log-probs agree
@@ -102,7 +97,7 @@ def test_omni_resume_equals_uninterrupted(tiny_thinker, tmp_path: Path, monkeypa
     resume(run)
     resumed = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3]
-    assert _det(resumed) == _det(full)
+    assert without_timings(resumed) == without_timings(full)
 
 
 def test_constrained_decoding_rollout_matches_replay(tiny_thinker, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from omni_train_testutils import without_timings
 from safetensors import safe_open
 
 from omni_train.logger import read_metrics
@@ -27,7 +28,6 @@ pytest.importorskip("ray")
 
 REPO = Path(__file__).resolve().parents[3]
 TINY_RECIPE = REPO / "recipes" / "tiny" / "sd3_brightness_flowgrpo.yaml"
-TIMING_PREFIXES = ("timing/", "perf/")
 
 OVERRIDES = [
     "trainer.backend=ray",
@@ -38,10 +38,6 @@ OVERRIDES = [
     "trainer.progress=false",
     "trainer.threads=1",
 ]
-
-
-def _det(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
 
 
 def _cli(args: list[str], ray_address: str) -> subprocess.Popen:
@@ -108,7 +104,7 @@ def test_tiny_recipe_on_ray_validates_saves_and_resumes_after_sigkill(ray_sessio
     _finish(_cli(["resume", str(run)], address))
     resumed = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
-    assert _det(resumed) == _det(rows)
+    assert without_timings(resumed) == without_timings(rows)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from omni_train_testutils import local_loop, rollout_and_score
+from omni_train_testutils import local_loop, rollout_and_score, without_timings
 
 from omni_adapters import weights_checksum
 from omni_train import resume, train
@@ -16,9 +16,6 @@ from omni_train.errors import NonFiniteError, TrainError
 from omni_train.logger import read_metrics
 from omni_train.loops import DiffusionLoop
 from omni_train.recipe import RecipeError, recipe_from_dict
-
-#: metrics that measure wall-clock time (they differ between runs; everything else must not)
-TIMING_PREFIXES = ("timing/", "perf/")
 
 REQUIRED = [
     "step",
@@ -34,11 +31,6 @@ REQUIRED = [
     "timing/update_s",
     "perf/images_per_s",
 ]
-
-
-def _det(rows: list[dict]) -> list[dict]:
-    """Rows without the wall-clock metrics."""
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
 
 
 def test_two_steps_write_everything(train_dict, tmp_path: Path) -> None:
@@ -105,8 +97,8 @@ def test_same_seed_same_metrics_other_seed_differs(train_dict, tmp_path: Path) -
     a = train(recipe_from_dict(train_dict(trainer={"output_dir": str(tmp_path / "a")})))
     b = train(recipe_from_dict(train_dict(trainer={"output_dir": str(tmp_path / "b")})))
     c = train(recipe_from_dict(train_dict(trainer={"output_dir": str(tmp_path / "c"), "seed": 5})))
-    assert _det(a) == _det(b)
-    assert _det(a) != _det(c)
+    assert without_timings(a) == without_timings(b)
+    assert without_timings(a) != without_timings(c)
 
 
 @pytest.mark.parametrize(
@@ -144,7 +136,7 @@ def test_resume_equals_uninterrupted(train_dict, tmp_path: Path, monkeypatch, al
     resume(run)
     resumed = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    assert _det(resumed) == _det(full)
+    assert without_timings(resumed) == without_timings(full)
 
 
 def test_missing_model_path_is_clear(train_dict, tmp_path: Path) -> None:
@@ -416,7 +408,7 @@ def test_ema_weights_and_exact_resume(train_dict, tmp_path: Path, monkeypatch) -
         train(rec)
     monkeypatch.setattr(DiffusionLoop, "train_step", orig)
     resume(run)
-    assert _det(read_metrics(run / "metrics.jsonl")) == _det(full)
+    assert without_timings(read_metrics(run / "metrics.jsonl")) == without_timings(full)
 
 
 def load_file_keys(run: Path) -> set[str]:
