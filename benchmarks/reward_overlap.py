@@ -9,7 +9,12 @@ taken. Two rewards:
 - ``sleep``: brightness plus a wait per sample, a stand-in for a remote reward model (HTTP,
   another GPU): no CPU of its own, so the rollout can hide all of it but the last wave's;
 - ``ocr``: the real OCR reward (rapidocr / onnxruntime), which competes with the rollout for
-  the two cores.
+  the two cores;
+- ``shapes``: the toy world's GenEval-style check (numpy and scipy), the quickstart's reward.
+
+``--threads`` sets the rollout's torch threads (`trainer.threads`): 1 leaves a core of two
+for the reward thread, 2 (torch's default) takes both. What the table in docs/performance.md
+found is what `reward.overlap: auto` follows on a CPU rollout.
 
 Prints, per reward: rollout and reward seconds per step, the reward's own compute time, and
 the share of it hidden, ``(T_off - T_on) / reward_busy``, where T is the rollout-plus-reward
@@ -18,12 +23,14 @@ runs after the rollout).
 
     uv run python benchmarks/reward_overlap.py                # N=40 in 5 waves, 3 rounds
     uv run python benchmarks/reward_overlap.py --rewards sleep --repeats 5
+    uv run python benchmarks/reward_overlap.py --rewards shapes,ocr --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,7 +41,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def child(reward: str, overlap: bool, n: int, wave: int, steps: int, delay: float) -> dict:
+def child(
+    reward: str, overlap: bool, n: int, wave: int, steps: int, delay: float, threads: int
+) -> dict:
     """One process: `steps` loop steps; per-step medians of the loop's own timings."""
     import numpy as np
 
@@ -57,12 +66,15 @@ def child(reward: str, overlap: bool, n: int, wave: int, steps: int, delay: floa
 
     omni_rewards.REWARDS["delayed_brightness"] = Delayed
     tmp = Path(tempfile.mkdtemp())
-    reward_cfg = (
-        {"name": "delayed_brightness", "options": {"delay_s": delay}}
-        if reward == "sleep"
-        else {"name": "ocr"}
-    )
-    prompts = ['a sign that says "OPEN"', 'a poster with "HELLO"', "a red car", "a blue boat"]
+    reward_cfg = {
+        "sleep": {"name": "delayed_brightness", "options": {"delay_s": delay}},
+        "ocr": {"name": "ocr"},
+        "shapes": {"name": "shapes"},
+    }[reward]
+    # every prompt quotes its text: the OCR reward refuses a prompt without a target
+    prompts = ['a sign that says "OPEN"', 'a poster with "HELLO"', 'a mug with "CAFE"', '"SALE"']
+    if reward == "shapes":  # the toy world's grammar (docs/toy_world.md)
+        prompts = ["a red circle", "a blue square", "a green triangle", "a yellow cross"]
     per = max(1, n // 8)
     d = {
         "experiment": "overlap",
@@ -83,7 +95,7 @@ def child(reward: str, overlap: bool, n: int, wave: int, steps: int, delay: floa
             "steps": steps,
             "progress": False,
             "sample_every": 0,
-            "threads": 1,
+            "threads": threads,
             "output_dir": str(tmp / "run"),
         },
     }
@@ -103,16 +115,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--delay", type=float, default=0.02, help="sleep reward: seconds per sample")
+    ap.add_argument("--threads", type=int, default=1, help="the rollout's torch threads")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         reward, overlap = args.child.split(":")
-        out = child(reward, overlap == "1", args.n, args.wave, args.steps, args.delay)
+        out = child(reward, overlap == "1", args.n, args.wave, args.steps, args.delay, args.threads)
         print("RESULT " + json.dumps(out))
         return
     waves = -(-args.n // args.wave)
     print(
         f"reward overlap: {args.n} samples in {waves} waves of {args.wave}, tiny SD3, "
+        f"{args.threads} torch thread(s) on {len(os.sched_getaffinity(0))} cores, "
         f"{args.repeats} interleaved rounds, each setting in its own process"
     )
     for reward in args.rewards.split(","):
@@ -132,6 +146,8 @@ def main() -> None:
                     str(args.steps),
                     "--delay",
                     str(args.delay),
+                    "--threads",
+                    str(args.threads),
                 ]
                 res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
                 line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]

@@ -467,7 +467,8 @@ def test_sync_step_computes_in_one_thread_team(train_dict, tmp_path, monkeypatch
 
 def test_reward_overlaps_the_rollout_and_scores_the_same(train_dict, tmp_path, monkeypatch):
     """reward.overlap: each wave is scored while the next waves compute (4 waves of 2 rows
-    here), with the rewards of scoring the whole batch after the rollout."""
+    here), with the rewards of scoring the whole batch after the rollout. Its default,
+    `auto`, scores after the rollout here: rollout and reward both on the CPU."""
     import time as _time
 
     import omni_rewards
@@ -497,7 +498,7 @@ def test_reward_overlaps_the_rollout_and_scores_the_same(train_dict, tmp_path, m
 
     monkeypatch.setattr(EmbeddedEngine, "_run_wave", timed_wave)
     rows = {}
-    for overlap in (False, True):
+    for overlap in (False, True, "auto"):
         calls.clear()
         wave_ends.clear()
         d = train_dict(
@@ -506,7 +507,7 @@ def test_reward_overlaps_the_rollout_and_scores_the_same(train_dict, tmp_path, m
             trainer={"steps": 1, "sample_every": 0, "output_dir": str(tmp_path / str(overlap))},
         )
         rows[overlap] = train(recipe_from_dict(d))[0]
-        if overlap:
+        if overlap is True:
             sizes = [n for _, n in calls]
             assert sizes == [2, 2, 2, 2], sizes  # one call per wave
             assert len(wave_ends) >= 4
@@ -515,6 +516,45 @@ def test_reward_overlaps_the_rollout_and_scores_the_same(train_dict, tmp_path, m
             assert [n for _, n in calls] == [8]
     for k in ("reward/mean", "reward/std", "loss"):
         assert rows[True][k] == pytest.approx(rows[False][k], abs=1e-7), k
+        assert rows["auto"][k] == rows[False][k], k
+
+
+HTTP_REWARD = {"name": "http", "options": {"url": "http://127.0.0.1:1"}}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "threads", "expected"),
+    [
+        ({}, 2, False),  # `auto`: rollout and reward on the CPU
+        ({}, 1, False),  # even with a core left free
+        ({"reward": {"overlap": True}}, 2, True),
+        ({"model": {"device": "cuda"}}, 2, True),  # the CPU is free while the GPU rolls out
+        ({"reward": HTTP_REWARD}, 1, True),  # a reward that waits, and a core for its thread
+        ({"reward": HTTP_REWARD}, 2, False),  # beside torch threads on every core
+        (
+            {
+                "reward": {
+                    "name": None,
+                    "terms": [{"name": "http"}, {"name": "brightness", "weight": 0.5}],
+                }
+            },
+            1,
+            False,  # one term computes on the CPU
+        ),
+        ({"reward": {"overlap": True}, "trainer": {"mode": "async"}}, 1, False),
+        ({"reward": {"overlap": True, "inputs": ["media", "audio"]}}, 1, False),
+    ],
+)
+def test_reward_overlap_auto_follows_where_the_reward_computes(
+    train_dict, overrides, threads, expected
+) -> None:
+    """On 2 cores, the rollout on `threads` torch threads."""
+    from omni_train.loops.diffusion import reward_overlaps
+
+    d = train_dict()
+    for section, values in overrides.items():
+        d[section] = {**d.get(section, {}), **values}
+    assert reward_overlaps(recipe_from_dict(d), threads, cores=2) is expected
 
 
 def test_cps_rollout_replays_and_epochs_take_an_optimizer_step_each(train_dict, tmp_path) -> None:

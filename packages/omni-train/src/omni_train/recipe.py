@@ -249,11 +249,14 @@ class RewardConfig(_Section):
         description="`name: latent` only: when `options.path` holds no scorer, fit one there "
         "first, on rollouts of this model scored by `distill.teacher`.",
     )
-    overlap: bool = Field(
-        True,
+    overlap: bool | Literal["auto"] = Field(
+        "auto",
         description="Diffusion path, trainer.mode sync, embedded rollout: score each wave's "
         "samples in a reward thread as soon as the wave finishes, while the next waves compute "
-        "(the reward time hides behind the rollout's).",
+        "(the reward time hides behind the rollout's). `auto`: on where the rollout runs on a "
+        "GPU; on the CPU only for an `http` reward while the rollout's torch threads leave a "
+        "core free: elsewhere on the CPU the reward thread slowed the rollout more than it "
+        "hid (docs/performance.md).",
     )
     extract: Literal["response", "first_letter"] = Field(
         "response",

@@ -55,9 +55,10 @@ from .schedule import (
     RolloutHistory,
     SyncRollout,
     staleness_stats,
+    usable_cores,
 )
 
-__all__ = ["DiffusionLoop", "media_fields", "still_frames"]
+__all__ = ["DiffusionLoop", "media_fields", "reward_overlaps", "still_frames"]
 
 
 def media_fields(media: np.ndarray) -> dict[str, np.ndarray]:
@@ -93,6 +94,28 @@ def group_stats(rewards: np.ndarray, n: int, trajs: list[Any]) -> dict[str, floa
         if spread > 0:
             out["samples/diversity"] = float(lat.std(dim=1).mean()) / spread
     return out
+
+
+def reward_overlaps(recipe: Recipe, torch_threads: int, cores: int) -> bool:
+    """Whether a sync step scores each finished wave in the reward thread while the next
+    waves roll out (`reward.overlap`; the rollout port decides whether it has waves).
+
+    `auto`: always where the rollout runs on a GPU (the CPU is free meanwhile). Where it runs
+    on the CPU, only for an `http` reward (it waits for its server) and only while the
+    rollout's ``torch_threads`` leave one of the ``cores`` free: a reward thread beside a
+    team of torch threads on every core slowed the rollout more than it hid, even one that
+    only sleeps, and so did a reward that computes on the CPU even with a core left free
+    (`benchmarks/reward_overlap.py`, docs/performance.md). Audio rewards score after the
+    rollout (they read the whole batch)."""
+    r = recipe.reward
+    if recipe.trainer.mode != "sync" or "audio" in r.inputs:
+        return False
+    if r.overlap != "auto":
+        return r.overlap
+    if recipe.model.device != "cpu":
+        return True
+    names = [term.name for term in r.terms] if r.terms else [r.name]
+    return all(name == "http" for name in names) and torch_threads < cores
 
 
 def _stack(trajs: list[Any], attr: str) -> torch.Tensor:
@@ -486,7 +509,7 @@ class DiffusionLoop:
 
             parts.append(self.reward_pool.submit(run))
 
-        overlap = r.reward.overlap and r.trainer.mode == "sync" and "audio" not in r.reward.inputs
+        overlap = reward_overlaps(r, torch.get_num_threads(), usable_cores())
         trajs = rollout.collect(step, score_wave if overlap else None)
         t1 = time.perf_counter()
         rewards, details, media = self.score(trajs, step, parts)  # 2 (what is left of it)

@@ -43,6 +43,7 @@ __all__ = [
     "free_cores",
     "launchable",
     "staleness_stats",
+    "usable_cores",
 ]
 
 
@@ -298,7 +299,8 @@ def free_cores(load: float, own: float, cores: int) -> int:
     return max(1, min(cores, int(cores - others + 0.5)))
 
 
-def _cores() -> int:
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; all of them off Linux)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -316,7 +318,7 @@ class CoreShare:
     """
 
     def __init__(self) -> None:
-        self.cores = _cores()
+        self.cores = usable_cores()
         self.threads = torch.get_num_threads()
         self._t = time.monotonic()
         self._cpu = time.process_time()
