@@ -255,8 +255,8 @@ class RewardConfig(_Section):
         "samples in a reward thread as soon as the wave finishes, while the next waves compute "
         "(the reward time hides behind the rollout's). `auto`: on where the rollout runs on a "
         "GPU; on the CPU only for an `http` reward while the rollout's torch threads leave a "
-        "core free: elsewhere on the CPU the reward thread slowed the rollout more than it "
-        "hid (docs/performance.md).",
+        "core free: elsewhere on the CPU the reward thread slowed the rollout about as much "
+        "as it hid, or more (docs/performance.md).",
     )
     extract: Literal["response", "first_letter"] = Field(
         "response",

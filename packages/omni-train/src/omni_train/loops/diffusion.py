@@ -104,9 +104,9 @@ def reward_overlaps(recipe: Recipe, torch_threads: int, cores: int) -> bool:
     on the CPU, only for an `http` reward (it waits for its server) and only while the
     rollout's ``torch_threads`` leave one of the ``cores`` free: a reward thread beside a
     team of torch threads on every core slowed the rollout more than it hid, even one that
-    only sleeps, and so did a reward that computes on the CPU even with a core left free
-    (`benchmarks/reward_overlap.py`, docs/performance.md). Audio rewards score after the
-    rollout (they read the whole batch)."""
+    only sleeps, and with a core left free a reward that computes on the CPU gained little
+    or lost (`benchmarks/reward_overlap.py`, docs/performance.md). Audio rewards score after
+    the rollout (they read the whole batch)."""
     r = recipe.reward
     if recipe.trainer.mode != "sync" or "audio" in r.inputs:
         return False

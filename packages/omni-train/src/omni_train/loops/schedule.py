@@ -114,20 +114,20 @@ class SyncRollout:
         requests = self.requests_for(step)
         if not self.differentiable and (on_ready is None or not hasattr(self.port, "submit_many")):
             trajs, self.stats = _rollout(self.port, requests)
-            return trajs
-        # the embedded engine: its waves run in this thread, on_ready between them
-        before = self.port.stats()
-        if self.differentiable:
-            trajs = self._differentiable(requests, on_ready)
-        else:
-            trajs = self.port.generate_many(requests, on_ready=on_ready)
-        after = self.port.stats()
-        forwards = after.get("forwards", 0) - before.get("forwards", 0)
-        self.stats = {
-            "rollout/forwards": float(forwards),
-            "rollout/rows_per_forward": (after.get("rows", 0) - before.get("rows", 0))
-            / max(forwards, 1),
-        }
+        else:  # the embedded engine: its waves run in this thread, on_ready between them
+            before = self.port.stats()
+            if self.differentiable:
+                trajs = self._differentiable(requests, on_ready)
+            else:
+                trajs = self.port.generate_many(requests, on_ready=on_ready)
+            after = self.port.stats()
+            forwards = after.get("forwards", 0) - before.get("forwards", 0)
+            self.stats = {
+                "rollout/forwards": float(forwards),
+                "rollout/rows_per_forward": (after.get("rows", 0) - before.get("rows", 0))
+                / max(forwards, 1),
+            }
+        # after a fall-back to the replay too, whichever way the rollout ran
         if self.reuse_chosen:  # 1: the update trains through this rollout; 0: it replays
             self.stats["rollout/graph_kept"] = float(self.differentiable)
         return trajs
