@@ -4,7 +4,7 @@ The same FlowGRPO steps on the tiny SD3 (N samples in waves of `rollout.max_num_
 run with `reward.overlap` off (score the batch after the whole rollout) and on (score each
 wave in a reward thread as soon as it finishes, while the next waves compute). Each setting
 runs in its own process, interleaved over `--repeats` rounds; per round the median step is
-taken. Two rewards:
+taken. Three rewards:
 
 - ``sleep``: brightness plus a wait per sample, a stand-in for a remote reward model (HTTP,
   another GPU): no CPU of its own, so the rollout can hide all of it but the last wave's;
