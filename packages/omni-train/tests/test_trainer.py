@@ -517,6 +517,10 @@ def test_reward_overlaps_the_rollout_and_scores_the_same(train_dict, tmp_path, m
     for k in ("reward/mean", "reward/std", "loss"):
         assert rows[True][k] == pytest.approx(rows[False][k], abs=1e-7), k
         assert rows["auto"][k] == rows[False][k], k
+    # the rollout logs the same metrics whichever way it ran
+    assert set(rows[True]) == set(rows[False]) == set(rows["auto"])
+    for overlap, row in rows.items():
+        assert 0 < row["timing/rollout_busy_s"] <= row["timing/rollout_s"] + 1e-3, overlap
 
 
 HTTP_REWARD = {"name": "http", "options": {"url": "http://127.0.0.1:1"}}

@@ -589,8 +589,7 @@ class DiffusionLoop:
         row["timing/save_s"] = t6 - t5
         row["timing/step_s"] = t6 - t0
         # over the rollout's own time: in async mode the loop's wait for it can be ~0
-        busy = row.get("timing/rollout_busy_s", t1 - t0)
-        row["perf/images_per_s"] = len(trajs) / max(busy, 1e-9)
+        row["perf/images_per_s"] = len(trajs) / max(row["timing/rollout_busy_s"], 1e-9)
         row["perf/torch_threads"] = torch.get_num_threads()
         self.run.log(row)
         return row

@@ -60,20 +60,24 @@ def staleness_stats(policy_version: int, sample_versions: list[int]) -> dict[str
     return {"async/staleness_max": float(max(s)), "async/staleness_mean": sum(s) / len(s)}
 
 
-def _rollout(port: Any, requests: list[Any]) -> tuple[list[Any], dict[str, float]]:
-    """Roll out, and the engine's forward count / rows per forward for these requests, and
+def _rollout_stats(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """The engine's forward count / rows per forward between two `port.stats()` readings, and
     the seconds the rollout itself took (in async mode the loop waits less than that)."""
+    forwards = after.get("forwards", 0) - before.get("forwards", 0)
+    rows = after.get("rows", 0) - before.get("rows", 0)
+    return {
+        "rollout/forwards": float(forwards),
+        "rollout/rows_per_forward": rows / max(forwards, 1),
+        "timing/rollout_busy_s": seconds,
+    }
+
+
+def _rollout(port: Any, requests: list[Any]) -> tuple[list[Any], dict[str, float]]:
+    """Roll out, and `_rollout_stats` for these requests."""
     t = time.perf_counter()
     before = port.stats()
     trajs = port.generate_many(requests)
-    after = port.stats()
-    forwards = after.get("forwards", 0) - before.get("forwards", 0)
-    rows = after.get("rows", 0) - before.get("rows", 0)
-    return trajs, {
-        "rollout/forwards": float(forwards),
-        "rollout/rows_per_forward": rows / max(forwards, 1),
-        "timing/rollout_busy_s": time.perf_counter() - t,
-    }
+    return trajs, _rollout_stats(before, port.stats(), time.perf_counter() - t)
 
 
 class SyncRollout:
@@ -112,23 +116,18 @@ class SyncRollout:
         self, step: int, on_ready: Callable[[list[int], list[Any]], None] | None = None
     ) -> list[Any]:
         requests = self.requests_for(step)
-        if not self.differentiable and (on_ready is None or not hasattr(self.port, "submit_many")):
-            trajs, self.stats = _rollout(self.port, requests)
-        else:  # the embedded engine: its waves run in this thread, on_ready between them
-            before = self.port.stats()
-            if self.differentiable:
-                trajs = self._differentiable(requests, on_ready)
-            else:
-                trajs = self.port.generate_many(requests, on_ready=on_ready)
-            after = self.port.stats()
-            forwards = after.get("forwards", 0) - before.get("forwards", 0)
-            self.stats = {
-                "rollout/forwards": float(forwards),
-                "rollout/rows_per_forward": (after.get("rows", 0) - before.get("rows", 0))
-                / max(forwards, 1),
-            }
-        # after a fall-back to the replay too, whichever way the rollout ran
-        if self.reuse_chosen:  # 1: the update trains through this rollout; 0: it replays
+        t = time.perf_counter()
+        before = self.port.stats()
+        if self.differentiable:
+            trajs = self._differentiable(requests, on_ready)
+        elif on_ready is not None and hasattr(self.port, "submit_many"):
+            # the embedded engine: its waves run in this thread, on_ready between them
+            trajs = self.port.generate_many(requests, on_ready=on_ready)
+        else:
+            trajs = self.port.generate_many(requests)
+        # the same metrics whichever way the rollout ran
+        self.stats = _rollout_stats(before, self.port.stats(), time.perf_counter() - t)
+        if self.reuse_chosen:  # after a fall-back to the replay too  # 1: the update trains through this rollout; 0: it replays
             self.stats["rollout/graph_kept"] = float(self.differentiable)
         return trajs
 
