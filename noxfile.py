@@ -217,7 +217,8 @@ def standalone(session: nox.Session) -> None:
     """Build each package's wheel, install it alone (with its declared dependencies and the
     wheels of the omni-* packages it needs) into a fresh venv, and run its tests there but the
     `slow` ones (`tests` runs those on the same code): 708 s of omni-train's 923 s standalone
-    before, 300 s after, on a 2-core machine where the whole CI took 2262 s."""
+    before, 300 s after, on a 2-core machine where the whole CI took 2262 s. The Ray pools
+    beyond sd3's actor pool and the async run on Ray are `slow` too (about 100 s of those 300)."""
     packages = session.posargs or list(PACKAGES)
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)

@@ -165,6 +165,7 @@ def test_async_with_the_http_rollout_overlaps(tmp_path, tiny_sd3):
     assert [row["weights/version"] for row in rows] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_async_on_ray_overlaps(ray_session, tmp_path, tiny_sd3):
     r = recipe(tmp_path, tiny_sd3, backend="ray", num_workers=1, val_every=2)
     rows, spans = _timed_run(r, tmp_path)

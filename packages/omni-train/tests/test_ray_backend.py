@@ -3,7 +3,9 @@
 The update on the Ray ranks is the local update (`omni_train.updates.run_update`) with an
 all-reducing collective, so for every algorithm one update on the same batch gives the same
 new weights on both backends. Worker start-up dominates the time: one actor pool per model
-serves every algorithm (`RayLearner.configure`).
+serves every algorithm (`RayLearner.configure`). The tests of the thinker's pool and of the
+rollout and reward pools are `slow` (each pool starts in 10-17 s): `nox -s standalone` runs the
+sd3 actor pool's tests against the wheels, `nox -s tests` runs them all.
 """
 
 from __future__ import annotations
@@ -270,6 +272,7 @@ def thinker_pool(ray_session, tmp_path_factory, tiny_thinker):
     learner.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gspo", "grpo"])
 def test_token_update_parity_local_vs_two_fsdp_ranks(name, thinker_pool):
     from omni_train.backends.local import ThinkerRollout
@@ -330,6 +333,7 @@ def _loop(recipe, rollout, reward, tmp):
     return DiffusionLoop(recipe, Ports(None, rollout, lambda: reward), tmp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, a in ALGORITHMS.items() if a.model == "diffusion"])
 def test_rollout_seeds_and_rewards_independent_of_split(name, pools, sd3_pool):
     """Each algorithm's own rollout requests (DanceGRPO's SDE, MixGRPO's window and ODE
@@ -356,6 +360,7 @@ def test_rollout_seeds_and_rewards_independent_of_split(name, pools, sd3_pool):
     )
 
 
+@pytest.mark.slow
 def test_weight_sync_is_rank_local_and_versioned(pools, sd3_pool):
     """The FSDP ranks' own LoRA pieces go to the rollout workers as object refs (the driver
     holds no weights); each worker puts them together and loads one whole version."""
@@ -397,6 +402,7 @@ def kill_first_worker(pool) -> None:
     pytest.fail("worker 0 still answers 60 s after ray.kill")
 
 
+@pytest.mark.slow
 def test_killed_rollout_worker_is_restarted_and_resubmitted(pools, sd3_pool):
     rollout = pools["rollout"]
     loop = _loop(pools["recipe"], rollout, pools["reward"], sd3_pool["tmp"] / "kill")
@@ -412,6 +418,7 @@ def test_killed_rollout_worker_is_restarted_and_resubmitted(pools, sd3_pool):
         torch.testing.assert_close(x.latents, y.latents, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_killed_reward_worker_is_restarted_and_resubmitted(pools, sd3_pool):
     rollout, reward = pools["rollout"], pools["reward"]
     loop = _loop(pools["recipe"], rollout, reward, sd3_pool["tmp"] / "kill-r")
@@ -424,6 +431,7 @@ def test_killed_reward_worker_is_restarted_and_resubmitted(pools, sd3_pool):
     np.testing.assert_allclose(got, ref)
 
 
+@pytest.mark.slow
 def test_workers_run_at_the_drivers_priority(pools, sd3_pool):
     """Ray's default worker niceness is 15, at which any other process on the machine would
     starve the ranks, the rollout and the reward workers (`WORKER_RUNTIME_ENV`)."""
