@@ -545,8 +545,8 @@ HTTP_REWARD = {"name": "http", "options": {"url": "http://127.0.0.1:1"}}
             1,
             False,  # one term computes on the CPU
         ),
-        ({"reward": {"overlap": True}, "trainer": {"mode": "async"}}, 1, False),
-        ({"reward": {"overlap": True, "inputs": ["media", "audio"]}}, 1, False),
+        ({"trainer": {"mode": "async"}, "model": {"device": "cuda"}}, 1, False),
+        ({"reward": {"inputs": ["media", "audio"]}, "model": {"device": "cuda"}}, 1, False),
     ],
 )
 def test_reward_overlap_auto_follows_where_the_reward_computes(
@@ -559,6 +559,28 @@ def test_reward_overlap_auto_follows_where_the_reward_computes(
     for section, values in overrides.items():
         d[section] = {**d.get(section, {}), **values}
     assert reward_overlaps(recipe_from_dict(d), threads, cores=2) is expected
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"trainer": {"mode": "async"}}, "trainer.mode async"),
+        ({"reward": {"inputs": ["media", "audio"]}}, "audio in reward.inputs"),
+        ({"rollout": {"backend": "http", "url": "http://127.0.0.1:1"}}, "rollout.backend http"),
+        ({"trainer": {"backend": "ray"}}, "trainer.backend ray"),
+    ],
+)
+def test_reward_overlap_true_is_refused_where_it_cannot_run(train_dict, overrides, named):
+    """`reward.overlap: true` where no rollout hands the loop its waves: an error naming the
+    key and why, not a setting silently ignored; `auto` runs there."""
+    d = train_dict(reward={"overlap": True})
+    for section, values in overrides.items():
+        d[section] = {**d.get(section, {}), **values}
+    with pytest.raises(RecipeError, match=re.escape("reward.overlap: true")) as exc:
+        recipe_from_dict(d)
+    assert named in str(exc.value)
+    d["reward"]["overlap"] = "auto"
+    recipe_from_dict(d)
 
 
 def test_cps_rollout_replays_and_epochs_take_an_optimizer_step_each(train_dict, tmp_path) -> None:

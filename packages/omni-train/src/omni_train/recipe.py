@@ -251,7 +251,8 @@ class RewardConfig(_Section):
     )
     overlap: bool | Literal["auto"] = Field(
         "auto",
-        description="Diffusion path, trainer.mode sync, embedded rollout: score each wave's "
+        description="Diffusion path, trainer.mode sync, local backend, embedded rollout (`true` "
+        "elsewhere is refused): score each wave's "
         "samples in a reward thread as soon as the wave finishes, while the next waves compute "
         "(the reward time hides behind the rollout's). `auto`: on where the rollout runs on a "
         "GPU; on the CPU only for an `http` reward while the rollout's torch threads leave a "
@@ -639,6 +640,8 @@ class Recipe(_Section):
                 )
         elif self.rollout.url is not None:
             problems.append("rollout.url: only for rollout.backend http")
+        if self.reward.overlap is True:
+            problems.extend(self._overlap_problems())
         if "audio" in self.reward.inputs and t.backend != "local":
             problems.append(
                 "reward.inputs: audio is decoded by the local backend only (trainer.backend "
@@ -682,6 +685,30 @@ class Recipe(_Section):
             )
         if problems:
             raise RecipeError("invalid recipe:\n  " + "\n  ".join(problems))
+
+    def _overlap_problems(self) -> list[str]:
+        """Where `reward.overlap: true` could not run: only the embedded engine of a sync run
+        on the local backend hands the loop its waves as they finish, and only the diffusion
+        loop scores them (`omni_train.loops.diffusion.reward_overlaps`); `auto` and false run
+        everywhere."""
+        t, rb = self.trainer, self.rollout.backend
+        where = []
+        if self.is_omni():
+            where.append("an omni model (the omni loop scores after its rollout)")
+        if t.mode != "sync":
+            where.append(f"trainer.mode {t.mode} (the rollout runs ahead, beside the update)")
+        if t.backend != "local":
+            where.append(f"trainer.backend {t.backend} (its rollout returns whole batches)")
+        if rb != "embedded":
+            where.append(f"rollout.backend {rb} (it returns whole batches)")
+        if "audio" in self.reward.inputs:
+            where.append("audio in reward.inputs (decoded from the whole batch)")
+        if not where:
+            return []
+        return [
+            "reward.overlap: true scores the waves of the embedded rollout of a sync diffusion "
+            f"run on the local backend; this recipe has {'; '.join(where)}: use `auto` or false"
+        ]
 
     def _algorithm_problems(self, row: Any) -> list[str]:
         """What the algorithm's table row says this recipe cannot run."""

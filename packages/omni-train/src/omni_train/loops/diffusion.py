@@ -108,10 +108,10 @@ def reward_overlaps(recipe: Recipe, torch_threads: int, cores: int) -> bool:
     or lost (`benchmarks/reward_overlap.py`, docs/performance.md). Audio rewards score after
     the rollout (they read the whole batch)."""
     r = recipe.reward
+    if r.overlap != "auto":  # `true` where it cannot run is refused (Recipe._overlap_problems)
+        return r.overlap
     if recipe.trainer.mode != "sync" or "audio" in r.inputs:
         return False
-    if r.overlap != "auto":
-        return r.overlap
     if recipe.model.device != "cpu":
         return True
     names = [term.name for term in r.terms] if r.terms else [r.name]
