@@ -153,6 +153,11 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(
     assert main(["resume", str(run), "trainer.steps=3"]) == 0
     out = capsys.readouterr().out
     assert "step_0003" in out and "falling back" in out, out
+    # the summary after the run: where it is and its newest checkpoint, the one written anew
+    assert f"finished: 3 steps in {run}" in out, out
+    ck = run / "checkpoint" / "step_0003"
+    assert f"newest checkpoint: {ck}\n" in out, out
+    assert f"LoRA for diffusers (load_lora_weights): {ck / 'lora'}" in out, out
     on_disk = read_metrics(run / "metrics.jsonl")
     assert without_timings(on_disk) == without_timings(rows)  # step 3 trained again
     assert (run / "checkpoint" / "step_0003" / "manifest.json").is_file()  # and saved anew

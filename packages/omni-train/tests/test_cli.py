@@ -97,6 +97,16 @@ def test_report_writes_html(train_dict, capsys) -> None:
     assert re.search(r"reward mean: -?[0-9.]+ \(step 1\) -&gt; -?[0-9.]+ \(step 2\)", page)
     assert re.search(r"validation reward: -?[0-9.]+ \(step 0\) -&gt; -?[0-9.]+ \(step 2\)", page)
     assert "step_0001" in page
+    # what `omni-train RECIPE` prints when the run ends
+    from omni_train.report import run_summary
+
+    run = recipe.trainer.output_dir
+    lines = run_summary(run)
+    assert lines[0] == f"finished: 2 steps in {run}", lines
+    assert any(
+        re.fullmatch(r"  validation reward: \S+ \(step 0\) -> \S+ \(step 2\)", x) for x in lines
+    )
+    assert f"  next: omni-train report {run}  (one HTML page: curves, sample grids)" in lines
 
 
 def test_validate_memory_estimates_a_gpu_recipe(capsys) -> None:

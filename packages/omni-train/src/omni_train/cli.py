@@ -214,6 +214,13 @@ def _parser(cmd: str | None) -> argparse.ArgumentParser:
     return p
 
 
+def _print_summary(run_dir: str) -> None:
+    from .report import run_summary
+
+    for line in run_summary(run_dir):
+        print(line, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     cmd = args_list[0] if args_list and args_list[0] in COMMANDS else None
@@ -315,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             run_dir = args.run
             resume(args.run, args.overrides, checkpoint=args.checkpoint)
+            _print_summary(run_dir)
             return 0
         from .recipe import load_recipe
         from .train import train
@@ -322,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         run_dir = str(recipe.output_dir())
         train(recipe)
+        _print_summary(run_dir)
         return 0
     except (RecipeError, TrainError) as exc:
         print(f"omni-train: error: {exc}", file=sys.stderr)

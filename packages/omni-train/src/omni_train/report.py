@@ -1,4 +1,5 @@
-"""`omni-train report RUN`: one self-contained HTML page with the curves and sample grids."""
+"""`omni-train report RUN`: one self-contained HTML page with the curves and sample grids;
+`run_summary`: the lines `omni-train RECIPE` prints when a run ends."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import html
 import json
 from pathlib import Path
 
+from .checkpoint import latest_checkpoint
 from .errors import TrainError
 from .logger import read_metrics
 from .plots import plot_reward_curve
+from .recipe import load_recipe
 
 #: curves drawn besides the reward (each when present in metrics.jsonl)
 CURVES = (
@@ -34,6 +37,34 @@ def _first_to_last(rows: list[dict], key: str, label: str) -> str | None:
         return None
     a, b = have[0], have[-1]
     return f"{label}: {a[key]:.4f} (step {a.get('step')}) -> {b[key]:.4f} (step {b.get('step')})"
+
+
+def run_summary(run: str | Path) -> list[str]:
+    """Where a finished run is, its reward (and validation) from first to last, its newest
+    checkpoint, and the commands that read the run next."""
+    run = Path(run)
+    if not (run / "recipe.yaml").is_file():  # trainer.backend verl: verl's own outputs
+        return [f"finished: the outputs are in {run}"]
+    rows = read_metrics(run / "metrics.jsonl")
+    recipe = load_recipe(run / "recipe.yaml")
+    trained = [r for r in rows if "reward/mean" in r]
+    lines = [f"finished: {len(trained)} steps in {run}"]
+    for key, label in (("reward/mean", "reward mean"), ("val/reward_mean", "validation reward")):
+        line = _first_to_last(rows, key, label)
+        if line is not None:
+            lines.append(f"  {line}")
+    ck = latest_checkpoint(run / "checkpoint")
+    if ck is not None:
+        lora = ck / "lora" / "pytorch_lora_weights.safetensors"
+        lines.append(f"  newest checkpoint: {ck}")
+        if lora.is_file():
+            lines.append(f"  its LoRA for diffusers (load_lora_weights): {lora}")
+    lines.append(f"  next: omni-train report {run}  (one HTML page: curves, sample grids)")
+    if not recipe.is_omni() and recipe.data.val_file is not None and ck is not None:
+        lines.append(f"        omni-train eval {run} --prompts {recipe.data.val_file}")
+    if recipe.lora.enabled and ck is not None:
+        lines.append(f"        omni-train export {run} --format diffusers|peft|merged")
+    return lines
 
 
 def _img(path: Path) -> str:
