@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,40 @@ def test_omni_on_ray_trains_as_on_the_local_backend(ray_session, tiny_thinker, t
         for k in keys:
             assert b[k] == pytest.approx(a[k], abs=1e-6), (k, a[k], b[k])
     assert runs["ray"][1]["val/reward_mean"] == runs["local"][1]["val/reward_mean"]
+
+
+@pytest.mark.parametrize(
+    ("name", "algorithm", "clips"),
+    [
+        ("gspo", {}, (3e-4, 4e-4)),  # the loss's own defaults
+        ("grpo", {}, (0.2, 0.2)),
+        ("gspo", {"clip_range": 0.1}, (0.1, 0.1)),  # algorithm.clip_range: both sides
+        ("grpo", {"clip_range": 0.1, "options": {"clip_high": 0.3}}, (0.1, 0.3)),
+    ],
+)
+def test_the_token_loss_clips_by_the_recipe_on_the_local_backend_as_on_verl(
+    tiny_thinker, tmp_path: Path, monkeypatch, name, algorithm, clips
+) -> None:
+    """The clip the local update hands the token loss is the one `build_verl_config` hands
+    verl's actor for the same recipe (`algorithm.clip_range` was once ignored here and
+    mapped there)."""
+    from omni_algos import losses
+    from omni_train.backends.verl_backend import build_verl_config
+
+    seen: list[tuple[float, float]] = []
+    loss_fn = losses.LOSSES[name]
+
+    @functools.wraps(loss_fn)  # its signature: the update reads the loss's defaults from it
+    def recorded(*args, **kwargs):
+        seen.append((kwargs["clip_low"], kwargs["clip_high"]))
+        return loss_fn(*args, **kwargs)
+
+    monkeypatch.setitem(losses.LOSSES, name, recorded)
+    d = _omni_dict(tmp_path, tiny_thinker, algorithm={"name": name, **algorithm})
+    d["trainer"].update(steps=1, val_every=0, sample_every=0)
+    train(recipe_from_dict(d))
+    assert seen and set(seen) == {clips}, seen
+    d["trainer"] = {**d["trainer"], "backend": "verl", "gpus_per_node": 1}
+    d["algorithm"]["rows_per_forward"] = None
+    actor = build_verl_config(recipe_from_dict(d))["actor_rollout_ref"]["actor"]
+    assert (actor["clip_ratio_low"], actor["clip_ratio_high"]) == clips

@@ -155,6 +155,16 @@ def test_algorithm_table_refuses_what_does_not_run(recipe_dict, name) -> None:
                 recipe_from_dict(d)
 
 
+@pytest.mark.parametrize("name", ["flow_dppo", "diffusion_nft", "diffusion_dpo"])
+def test_clip_range_is_refused_where_the_loss_has_no_ratio_clip(recipe_dict, name) -> None:
+    d = _with(recipe_dict(), algorithm={"name": name, "clip_range": 0.2})
+    d["algorithm"].pop("mix_window", None)
+    with pytest.raises(RecipeError, match=re.escape(f"algorithm.clip_range: {name}'s loss")):
+        recipe_from_dict(d)
+    d["algorithm"]["clip_range"] = None
+    assert recipe_from_dict(d).algorithm.clip_range is None
+
+
 @pytest.mark.parametrize(
     ("changes", "key"),
     [
@@ -197,12 +207,18 @@ def test_unsupported_combinations_are_named(recipe_dict, changes, key) -> None:
 
 def test_the_quickstart_runs_as_flowgrpo_with_its_mix_window_section() -> None:
     """docs/toy_world.md turns the quickstart into FlowGRPO by overrides; its mix_window
-    section keeps the defaults, so the other algorithms accept it."""
+    section keeps the defaults, so the other algorithms accept it. Flow-DPPO has no ratio
+    clip: the quickstart's `clip_range` is refused for it until the override drops it."""
     path = REPO / "recipes" / "quickstart.yaml"
     if not path.is_file():
         pytest.skip("the repository's recipes/ folder is not next to this package")
     for name in ("flow_grpo", "flow_dppo", "grpo_guard"):
-        recipe = load_recipe(path, [f"algorithm.name={name}", "rollout.sde_window_size=3"])
+        over = [f"algorithm.name={name}", "rollout.sde_window_size=3"]
+        if name == "flow_dppo":
+            with pytest.raises(RecipeError, match=re.escape("algorithm.clip_range: flow_dppo")):
+                load_recipe(path, over)
+            over.append("algorithm.clip_range=null")
+        recipe = load_recipe(path, over)
         assert recipe.algorithm.name == name
 
 

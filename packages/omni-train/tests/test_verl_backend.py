@@ -64,6 +64,17 @@ def omni_recipe(tmp, **over):
     return recipe_from_dict(d)
 
 
+def test_grpos_dual_clip_goes_to_verl_or_is_refused(tmp_path):
+    """`algorithm.options.clip_ratio_c` reaches verl's actor; null (no dual clip), which
+    verl's actor cannot do, is refused by key."""
+    algo = {"name": "grpo", "clip_range": None, "options": {"clip_ratio_c": 5.0}}
+    actor = vb.build_verl_config(omni_recipe(tmp_path, algorithm=algo))["actor_rollout_ref"]
+    assert actor["actor"]["clip_ratio_c"] == 5.0
+    algo["options"] = {"clip_ratio_c": None}
+    with pytest.raises(RecipeError, match=re.escape("algorithm.options.clip_ratio_c: null")):
+        omni_recipe(tmp_path, algorithm=algo)
+
+
 def test_config_from_recipe(tmp_path):
     cfg = vb.build_verl_config(omni_recipe(tmp_path))
     arr = cfg["actor_rollout_ref"]

@@ -17,7 +17,9 @@ Three update kinds (`omni_train.updates`), one implementation each:
 ``loss_inputs`` names what the update passes to the loss beyond the kind's core inputs (as
 verl-omni's losses declare their ``required_*_keys``):
 
-- ``clip_range``, ``adv_clip_max``: the recipe's `algorithm.clip_range` / `adv_clip_max`;
+- ``clip_range``, ``adv_clip_max``: the recipe's `algorithm.clip_range` / `adv_clip_max`
+  (when set; a token loss takes `clip_range` as its ``clip_low`` and ``clip_high``:
+  `omni_train.updates.token.token_loss_options`);
 - ``mean``: the step's Gaussian mean under the current weights and under the rollout weights
   (``mean``, ``old_mean``; the latter from one no-grad replay before the first optimizer step);
 - ``std``: the per-row step std and ``sqrt(-dt)`` (``std``, ``sqrt_dt``);
@@ -156,7 +158,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             "gspo",
             "token",
             "gspo",
-            ("mask",),
+            ("mask", "clip_range"),
             "omni",
             ("local", "ray", "verl"),
             token_agg="seq-mean-token-mean",
@@ -166,7 +168,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             "grpo",
             "token",
             "grpo",
-            ("mask",),
+            ("mask", "clip_range"),
             "omni",
             ("local", "ray", "verl"),
             token_agg="token-mean",

@@ -301,7 +301,15 @@ class AlgorithmConfig(_Section):
         "dance_grpo, mix_grpo, flow_dppo, grpo_guard, diffusion_nft, diffusion_dpo (diffusion); "
         "gspo, grpo (omni).",
     )
-    clip_range: float = Field(1e-4, gt=0, description="PPO ratio clip epsilon.")
+    clip_range: float | None = Field(
+        None,
+        gt=0,
+        description="PPO ratio clip epsilon, both sides. Default (null): the loss's own "
+        "(flow_grpo, dance_grpo, mix_grpo, grpo_guard 1e-4; grpo 0.2; gspo 3e-4 below and "
+        "4e-4 above). For grpo and gspo it sets the loss's clip_low and clip_high on every "
+        "backend (`algorithm.options.clip_low` / `clip_high` set one side). flow_dppo, "
+        "diffusion_nft and diffusion_dpo have no ratio clip: refused there.",
+    )
     adv_clip_max: float = Field(5.0, gt=0, description="Advantages are clipped to +-this.")
     adv_std: Literal["global", "group", "none"] = Field(
         "group", description="Advantage normalisation: batch std, per-group std, or none."
@@ -758,6 +766,8 @@ class Recipe(_Section):
                 f"algorithm.mix_window: only mix_grpo slides an SDE window; {a.name} would "
                 "ignore it (drop the section, or keep its defaults)"
             )
+        if a.clip_range is not None and "clip_range" not in row.loss_inputs:
+            out.append(f"algorithm.clip_range: {a.name}'s loss has no ratio clip (drop the key)")
         if a.rollout_correction != "off" and not row.takes_weights:
             out.append(f"algorithm.rollout_correction: {a.name}'s loss takes no per-sample weights")
         if row.kind == "forward_process" and a.name == "diffusion_dpo" and not self.lora.enabled:
@@ -822,6 +832,12 @@ class Recipe(_Section):
             out.append(
                 "lora.full_regex: verl trains every weight of the actor without LoRA; it "
                 "cannot train a subset"
+            )
+        if "clip_ratio_c" in a.options and a.options["clip_ratio_c"] is None:
+            out.append(
+                "algorithm.options.clip_ratio_c: null (no dual clip) is not handed to verl, "
+                "whose actor always bounds negative advantages by its clip_ratio_c; give a "
+                "number > 1"
             )
         return out
 

@@ -38,9 +38,11 @@ from typing import Any
 
 import torch
 
+from ..algorithms import ALGORITHMS
 from ..errors import TrainError
 from ..recipe import Recipe, RecipeError
 from ..tasks import CHOICE_LETTERS, OmniItem, first_choice_letter, load_items
+from ..updates.token import token_loss_options
 from .ray_runtime import WORKER_RUNTIME_ENV
 
 __all__ = [
@@ -137,10 +139,12 @@ def build_verl_config(
     r = recipe
     a = r.algorithm
     run = Path(run_dir) if run_dir is not None else r.output_dir()
-    opts = dict(a.options)
-    clip_low = float(opts.pop("clip_low", a.clip_range))
-    clip_high = float(opts.pop("clip_high", a.clip_range))
-    agg = str(opts.pop("agg", "seq-mean-token-mean" if a.name == "gspo" else "token-mean"))
+    row = ALGORITHMS[a.name]
+    # the same clip and aggregation as the local and Ray updates
+    opts = token_loss_options(row.loss, dict(a.options), a.clip_range, row.token_agg)
+    clip_low, clip_high = float(opts.pop("clip_low")), float(opts.pop("clip_high"))
+    agg = str(opts.pop("agg"))
+    clip_ratio_c = opts.pop("clip_ratio_c", None)  # grpo's dual clip (null: refused for verl)
     if agg not in _AGG:
         raise RecipeError(f"algorithm.options.agg: {agg!r} is not one of {sorted(_AGG)}")
     if r.data.prompts_per_step % a.num_minibatches:
@@ -190,9 +194,10 @@ def build_verl_config(
                 "ppo_mini_batch_size": r.data.prompts_per_step // a.num_minibatches,
                 "ppo_micro_batch_size_per_gpu": 1,
                 "ppo_epochs": a.epochs,
-                "clip_ratio": a.clip_range,
+                "clip_ratio": clip_low,  # verl's symmetric fallback; the two below win
                 "clip_ratio_low": clip_low,
                 "clip_ratio_high": clip_high,
+                **({} if clip_ratio_c is None else {"clip_ratio_c": float(clip_ratio_c)}),
                 "loss_agg_mode": agg,
                 "policy_loss": {"loss_mode": LOSS_NAMES[a.name]},
                 "use_kl_loss": a.kl_beta > 0,

@@ -79,7 +79,7 @@ class LocalCollective:
 class UpdateSettings:
     """The recipe's knobs an update reads (plain values, so Ray workers get them as JSON)."""
 
-    clip_range: float = 1e-4
+    clip_range: float | None = None  # None: the loss's own default
     adv_clip_max: float = 5.0
     kl_beta: float = 0.0
     grad_clip: float = 1.0

@@ -258,7 +258,7 @@ def sde_replay_update(
                 diff[0], diff[1] = diff[0] + float(d.sum()), diff[1] + d.numel()
                 diff[2] = max(diff[2], float(d.max()))
             kw: dict = {}
-            if "clip_range" in needs:
+            if "clip_range" in needs and s.clip_range is not None:
                 kw["clip_range"] = s.clip_range
             if "adv_clip_max" in needs:
                 kw["adv_clip_max"] = s.adv_clip_max

@@ -16,13 +16,35 @@ it is split-exact only when the lengths agree).
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 
 from .batches import TokenBatch
 from .common import UpdateContext, kl_metric_rows, run_optimizer_steps
 from .plan import UpdatePlan
 
-__all__ = ["token_update"]
+__all__ = ["token_loss_options", "token_update"]
+
+
+def token_loss_options(
+    loss: str, options: dict[str, Any], clip_range: float | None, agg: str
+) -> dict[str, Any]:
+    """The keyword options of token loss `loss` (`omni_algos.losses.LOSSES`), as every backend
+    passes them (the local and Ray updates here, verl through
+    `omni_train.backends.verl_backend.build_verl_config`): `algorithm.options`, with each of
+    ``clip_low`` / ``clip_high`` that it does not set taken from `algorithm.clip_range` when
+    the recipe sets it, else from the loss's own default; ``agg`` from the options, else
+    `agg` (the algorithm's)."""
+    from omni_algos.losses import LOSSES
+
+    params = inspect.signature(LOSSES[loss]).parameters
+    out = {**options, "agg": options.get("agg", agg)}
+    for side in ("clip_low", "clip_high"):
+        if side not in out:
+            out[side] = clip_range if clip_range is not None else params[side].default
+    return out
 
 
 def token_update(ctx: UpdateContext, batch: TokenBatch, plan: UpdatePlan) -> dict[str, float]:
@@ -31,7 +53,8 @@ def token_update(ctx: UpdateContext, batch: TokenBatch, plan: UpdatePlan) -> dic
 
     s, col, adapter = ctx.settings, ctx.collective, ctx.adapter
     loss_fn = LOSSES[ctx.algorithm.loss]
-    agg = str(s.options.get("agg", ctx.algorithm.token_agg))
+    opts = token_loss_options(ctx.algorithm.loss, s.options, s.clip_range, ctx.algorithm.token_agg)
+    agg = str(opts["agg"])
     lengths = batch.mask.sum(-1)
 
     def units(rows: list[int]) -> float:
@@ -68,7 +91,6 @@ def token_update(ctx: UpdateContext, batch: TokenBatch, plan: UpdatePlan) -> dic
             if d.numel():
                 diff[0], diff[1] = diff[0] + float(d.sum()), diff[1] + d.numel()
                 diff[2] = max(diff[2], float(d.max()))
-        opts = {**s.options, "agg": agg}
         lo = loss_fn(
             log_prob=lp, old_log_prob=old, advantages=batch.advantages[idx], mask=m, **opts
         )
