@@ -165,6 +165,16 @@ def test_clip_range_is_refused_where_the_loss_has_no_ratio_clip(recipe_dict, nam
     assert recipe_from_dict(d).algorithm.clip_range is None
 
 
+def test_validation_prompts_come_from_one_place(recipe_dict, tmp_path) -> None:
+    """`data.val_prompts` and `data.val_file` together: refused (the file used to win
+    silently)."""
+    val = tmp_path / "val.txt"
+    val.write_text("a red circle\n")
+    d = _with(recipe_dict(), data={"val_prompts": ["a blue square"], "val_file": str(val)})
+    with pytest.raises(RecipeError, match=re.escape("data.val_prompts, data.val_file")):
+        recipe_from_dict(d)
+
+
 @pytest.mark.parametrize(
     ("changes", "key"),
     [

@@ -93,6 +93,25 @@ def test_config_from_recipe(tmp_path):
     assert cfg["algorithm"]["adv_estimator"] == "omni_group"
     assert cfg["algorithm"]["norm_adv_by_std_in_grpo"] is True
     assert cfg["trainer"]["n_gpus_per_node"] == 4 and cfg["trainer"]["total_training_steps"] == 7
+    # logging, checkpoints and resuming as the recipe says, not verl's defaults
+    assert cfg["trainer"]["logger"] == ["console"] and cfg["trainer"]["project_name"] == "omni-rl"
+    assert cfg["trainer"]["resume_mode"] == "auto"  # the same command continues the run
+    assert cfg["trainer"]["max_actor_ckpt_to_keep"] == 2
+    other = vb.build_verl_config(
+        omni_recipe(
+            tmp_path,
+            trainer={
+                "overwrite": True,
+                "report_to": ["tensorboard", "wandb"],
+                "wandb_project": "p",
+                "keep_checkpoints": 5,
+            },
+        )
+    )
+    assert other["trainer"]["resume_mode"] == "disable"
+    assert other["trainer"]["logger"] == ["console", "tensorboard", "wandb"]
+    assert other["trainer"]["project_name"] == "p"
+    assert other["trainer"]["max_actor_ckpt_to_keep"] == 5
     fn = cfg["reward"]["custom_reward_function"]
     assert fn["path"] == "pkg://omni_train.backends.verl_backend"
     assert fn["name"] == "omni_compute_score"
@@ -237,6 +256,8 @@ def test_adv_std_global_is_refused_on_verl(tmp_path):
             "reward.terms",
         ),
         ({"data": {"task": None, "prompts": ["2+2?"]}}, "data.prompts"),
+        ({"lora": {"dropout": 0.1}}, "lora.dropout"),
+        ({"lora": {"init_seed": 3}}, "lora.init_seed"),
     ],
 )
 def test_what_verl_is_not_handed_is_refused_when_the_recipe_is_built(tmp_path, over, key):
@@ -344,7 +365,11 @@ def test_verl_config_accepts_every_override(tmp_path):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    r = omni_recipe(tmp_path, trainer={"gpus_per_node": 1}, algorithm={"kl_beta": 0.01})
+    r = omni_recipe(
+        tmp_path,
+        trainer={"gpus_per_node": 1, "report_to": ["tensorboard"], "overwrite": True},
+        algorithm={"kl_beta": 0.01},
+    )
     cfg = vb.build_verl_config(r)
     conf = _compose(vb.to_overrides(cfg))
     leaves = dict(_leaves(cfg))

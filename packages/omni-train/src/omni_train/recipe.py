@@ -607,6 +607,8 @@ class Recipe(_Section):
             )
         if len(sources) > 1:
             problems.append(f"data: set only one of {', '.join('data.' + k for k in sources)}")
+        if self.data.val_prompts is not None and self.data.val_file is not None:
+            problems.append("data: set only one of data.val_prompts, data.val_file")
         row = ALGORITHMS.get(a.name)
         if row is None:
             problems.append(unknown_name("algorithm.name", "algorithm", a.name, ALGORITHMS))
@@ -833,6 +835,10 @@ class Recipe(_Section):
                 "lora.full_regex: verl trains every weight of the actor without LoRA; it "
                 "cannot train a subset"
             )
+        lora_defaults = LoraConfig()
+        for key in ("dropout", "init_seed"):
+            if self.lora.enabled and getattr(self.lora, key) != getattr(lora_defaults, key):
+                out.append(f"lora.{key}: verl's LoRA config has no such setting; keep the default")
         if "clip_ratio_c" in a.options and a.options["clip_ratio_c"] is None:
             out.append(
                 "algorithm.options.clip_ratio_c: null (no dual clip) is not handed to verl, "

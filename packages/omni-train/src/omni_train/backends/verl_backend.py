@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -130,10 +131,18 @@ def build_verl_config(
     val_temperature` -> `data.max_response_length` and the rollout's sampling settings; the
     reward (name, options, extract) -> `reward.custom_reward_function` with our
     `omni_compute_score`; `trainer.nnodes/gpus_per_node/steps/seed` -> `trainer.*` and
-    `data.seed`; `ray_kwargs.ray_init.runtime_env.env_vars` = our Ray backend's
+    `data.seed`; `trainer.report_to` /
+    `wandb_project` -> `trainer.logger` / `project_name`; `trainer.keep_checkpoints` ->
+    `max_actor_ckpt_to_keep`; `trainer.overwrite` -> `resume_mode` `disable` (else `auto`: the
+    same command continues the run); `ray_kwargs.ray_init.runtime_env.env_vars` = our Ray backend's
     (`omni_train.backends.ray_runtime.WORKER_RUNTIME_ENV`: verl's Ray workers at the driver's
     priority, not Ray's niceness 15; verl merges it onto its own runtime environment). Finally
     every `trainer.verl` entry (dotted key -> value) is set on top.
+
+    Not mapped: `rollout.max_num_seqs` (it sizes our engines' waves, 16 by default; verl's vLLM
+    schedules its own sequences: `actor_rollout_ref.rollout.max_num_seqs` through
+    `trainer.verl`), and the console settings `trainer.log_every`, `sample_every`, `progress`
+    (verl prints its own per-step lines).
     """
     # what verl cannot take is refused when the recipe is built (Recipe._verl_problems)
     r = recipe
@@ -241,10 +250,14 @@ def build_verl_config(
             "n_gpus_per_node": gpus,
             "total_training_steps": r.trainer.steps,
             "total_epochs": 1_000_000,
-            "project_name": "omni-rl",
+            "project_name": r.trainer.wandb_project,
             "experiment_name": r.experiment,
-            "logger": ["console"],
+            "logger": ["console", *r.trainer.report_to],
             "default_local_dir": str(run / "verl_checkpoints"),
+            # the same command continues a run, as on the other backends; overwrite starts over
+            # (run_verl clears the folder's verl_checkpoints first)
+            "resume_mode": "disable" if r.trainer.overwrite else "auto",
+            "max_actor_ckpt_to_keep": r.trainer.keep_checkpoints,
             "save_freq": r.trainer.save_every or -1,
             "test_freq": r.trainer.val_every or -1,
             "val_before_train": False,
@@ -607,6 +620,10 @@ def run_verl(recipe: Recipe, run_dir: str | Path | None = None) -> list[dict[str
             "(docs/scaling.md)"
         )
     run = (Path(run_dir) if run_dir is not None else recipe.output_dir()).resolve()
+    checkpoints = run / "verl_checkpoints"
+    if recipe.trainer.overwrite and checkpoints.exists():  # else verl resumes from them
+        print(f"trainer.overwrite: starting over in {run}", flush=True)
+        shutil.rmtree(checkpoints)
     register_into_verl()
     train, val = write_dataset(recipe, run / "verl_data")
     model = export_thinker(recipe, run / "verl_model")
