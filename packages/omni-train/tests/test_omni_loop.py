@@ -148,6 +148,10 @@ def test_allowed_tokens_error_names_the_field(tiny_thinker, tmp_path: Path) -> N
 
 def test_omni_errors_name_the_field(tiny_thinker, tmp_path: Path) -> None:
     d = _omni_dict(tmp_path, tiny_thinker)
+    d["data"]["val_prompts"] = ["what colour?"]  # no reference answers to validate against
+    with pytest.raises(RecipeError, match=r"data\.val_prompts: the omni path"):
+        recipe_from_dict(d)
+    d = _omni_dict(tmp_path, tiny_thinker)
     d["data"] = {"prompts": ["no answers here"], "prompts_per_step": 1}
     with pytest.raises((RecipeError, TrainError), match="data"):
         train(recipe_from_dict(d))

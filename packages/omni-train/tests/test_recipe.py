@@ -176,6 +176,37 @@ def test_validation_prompts_come_from_one_place(recipe_dict, tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("name", "algorithm", "key"),
+    [
+        ("flow_grpo", {"train_timesteps": 4}, "algorithm.train_timesteps: flow_grpo"),
+        ("mix_grpo", {"timestep_range": [0.2, 0.8]}, "algorithm.timestep_range: mix_grpo"),
+        ("diffusion_dpo", {"adv_std": "none"}, "algorithm.adv_std: diffusion_dpo"),
+        ("diffusion_dpo", {"adv_clip_max": 2.0}, "algorithm.adv_clip_max: diffusion_dpo"),
+    ],
+)
+def test_algorithm_keys_the_algorithm_does_not_read_are_refused(
+    recipe_dict, name, algorithm, key
+) -> None:
+    """A key set to other than its default where the algorithm never reads it: refused by
+    name, not ignored (their defaults pass, so recipes that write them out still load)."""
+    d = _with(recipe_dict(), algorithm={"name": name, **algorithm})
+    with pytest.raises(RecipeError, match=re.escape(key)):
+        recipe_from_dict(d)
+    field = key.split(":")[0].removeprefix("algorithm.")
+    d["algorithm"][field] = recipe_from_dict(
+        _with(recipe_dict(), algorithm={"name": name})
+    ).algorithm.model_dump()[field]
+    recipe_from_dict(d)
+
+
+def test_reward_options_beside_terms_are_refused(recipe_dict) -> None:
+    terms = [{"name": "brightness", "weight": 1.0}]
+    d = _with(recipe_dict(), reward={"name": None, "terms": terms, "options": {"x": 1}})
+    with pytest.raises(RecipeError, match=re.escape("reward.options: with reward.terms")):
+        recipe_from_dict(d)
+
+
+@pytest.mark.parametrize(
     ("changes", "key"),
     [
         (

@@ -609,6 +609,16 @@ class Recipe(_Section):
             problems.append(f"data: set only one of {', '.join('data.' + k for k in sources)}")
         if self.data.val_prompts is not None and self.data.val_file is not None:
             problems.append("data: set only one of data.val_prompts, data.val_file")
+        if self.data.val_prompts is not None and self.is_omni():
+            problems.append(
+                "data.val_prompts: the omni path validates on items with reference answers: "
+                "data.val_file, or the held-out items of data.task"
+            )
+        if self.reward.terms and self.reward.options:
+            problems.append(
+                "reward.options: with reward.terms each term has its own options "
+                "(reward.terms[i].options)"
+            )
         row = ALGORITHMS.get(a.name)
         if row is None:
             problems.append(unknown_name("algorithm.name", "algorithm", a.name, ALGORITHMS))
@@ -758,6 +768,21 @@ class Recipe(_Section):
                 f"algorithm.timestep_sampling: {a.name} trains on its rollout's own steps; "
                 "the re-noising t is for diffusion_nft and diffusion_dpo"
             )
+        defaults = AlgorithmConfig.model_fields
+        if row.kind != "forward_process":
+            for key in ("train_timesteps", "timestep_range"):
+                if getattr(a, key) != defaults[key].default:
+                    out.append(
+                        f"algorithm.{key}: {a.name} trains on its rollout's own steps; the "
+                        "re-noising t is for diffusion_nft and diffusion_dpo"
+                    )
+        if row.pairs:
+            for key in ("adv_std", "adv_clip_max"):
+                if getattr(a, key) != defaults[key].default:
+                    out.append(
+                        f"algorithm.{key}: {a.name} trains on the best and worst sample of "
+                        "each group, not on advantages (drop the key)"
+                    )
         if a.pairs_per_group != 1 and not row.pairs:
             out.append(
                 f"algorithm.pairs_per_group: {a.name} trains on every sample, not on "
