@@ -22,7 +22,10 @@ def test_version(capsys) -> None:
 
 @pytest.mark.parametrize("missing", ["uvicorn", "starlette"])
 def test_serve_without_the_server_extra_is_one_line(missing, monkeypatch, capsys) -> None:
-    monkeypatch.setitem(sys.modules, missing, None)  # the import now fails as if absent
+    # the import now fails as if absent, its submodules too (an earlier test may have loaded them)
+    for name in [n for n in sys.modules if n == missing or n.startswith(missing + ".")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, missing, None)
     monkeypatch.delitem(sys.modules, "diffusion_rollout.server", raising=False)
     loaded = []
     code = main(
