@@ -237,3 +237,30 @@ def test_serve_command_end_to_end(tiny_sd3, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_serve_loads_the_model_with_the_dtype_and_options_given(tiny_sd3):
+    """`--dtype` and `--model-options` reach omni_adapters.from_pretrained (omni-train passes
+    its `model.dtype` and `model.options`, so a served rollout samples with the learner's
+    weights dtype); a bad value is one line naming the flag."""
+
+    from diffusion_rollout.cli import build_parser, build_server
+
+    base = ["serve", "--model", tiny_sd3, "--port", "8100"]
+    options = ["--model-options", '{"gradient_checkpointing": true}']
+    _, engine = build_server(build_parser().parse_args([*base, "--dtype", "bfloat16", *options]))
+    try:
+        model = engine.denoiser.model
+        assert next(model.parameters()).dtype == torch.bfloat16
+        assert model.is_gradient_checkpointing
+    finally:
+        engine.close()
+    _, engine = build_server(build_parser().parse_args(base))
+    try:
+        assert next(engine.denoiser.model.parameters()).dtype == torch.float32
+    finally:
+        engine.close()
+    with pytest.raises(SystemExit, match=r"--model-options: a JSON object"):
+        build_server(build_parser().parse_args([*base, "--model-options", "[1]"]))
+    with pytest.raises(SystemExit, match=r"--dtype and --model-options are for the default"):
+        build_server(build_parser().parse_args([*base, "--dtype", "bfloat16"]), lambda p, d: None)

@@ -215,3 +215,22 @@ def test_server_started_by_omni_train_and_a_killed_server(tmp_path, tiny_sd3):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_the_server_omni_train_starts_loads_the_model_as_the_trainer_does(tmp_path, tiny_sd3):
+    """The `diffusion-rollout serve` command of a run without `rollout.url`, read by that
+    command's own parser: the trainer's `model.device`, `model.dtype` and `model.options`
+    (they were once left out: the server loaded float32 under a bfloat16 learner)."""
+    import json
+
+    from diffusion_rollout.cli import build_parser
+    from omni_train.backends.remote_rollout import server_command
+
+    d = _recipe(tmp_path, tiny_sd3, backend="http", max_num_seqs=8)
+    d["model"].update(dtype="bfloat16", options={"gradient_checkpointing": True})
+    cmd = server_command(recipe_from_dict(d), tiny_sd3, 8123)
+    assert cmd[:3] == [sys.executable, "-m", "diffusion_rollout.cli"]
+    args = build_parser().parse_args(cmd[3:])
+    assert (args.model, args.port, args.max_num_seqs) == (str(tiny_sd3), 8123, 8)
+    assert (args.device, args.dtype) == ("cpu", "bfloat16")
+    assert json.loads(args.model_options) == {"gradient_checkpointing": True}

@@ -502,3 +502,10 @@ def test_pool_sizes_and_errors(tmp_path, tiny_sd3):
         recipe_from_dict(
             tiny_recipe(tmp_path, tiny_sd3, trainer={"resource_pools": {"critic": {"workers": 1}}})
         )
+    # a served rollout: no rollout pool, so its GPUs are not counted, and a pool for it is refused
+    d["trainer"]["resource_pools"] = {"actor": {"workers": 1, "gpus_per_worker": 1}}
+    d["rollout"] = {**d.get("rollout", {}), "backend": "http"}
+    assert pool_sizes(recipe_from_dict(d))["rollout"]["workers"] == 0  # 1 GPU is enough
+    d["trainer"]["resource_pools"]["rollout"] = {"workers": 1}
+    with pytest.raises(RecipeError, match=r"trainer\.resource_pools\.rollout: with rollout"):
+        recipe_from_dict(d)

@@ -144,3 +144,16 @@ def test_a_ray_run_on_vllm_omni_trains_like_the_embedded_engine(
             assert b[k] == pytest.approx(a[k], abs=1e-4), (k, a[k], b[k])
         assert b["correction/logprob_abs_diff_max"] < 1e-4
     assert served[-1]["reward/mean"] != served[0]["reward/mean"]
+
+
+def test_the_engine_loads_the_model_as_the_trainer_does(tmp_path, tiny_sd3, started):
+    """The run hands vllm-omni the trainer's `model.dtype` (vLLM's dtype, which its worker
+    loads the denoiser with) and `model.options` (the denoiser's options)."""
+    from omni_train.backends.remote_rollout import make_remote_rollout
+
+    d = _recipe(tmp_path, tiny_sd3)
+    d["model"].update(dtype="bfloat16", options={"gradient_checkpointing": True})
+    make_remote_rollout(_on_vllm_omni(d), tiny_sd3, None).close()
+    ((kwargs, _),) = started
+    assert kwargs["dtype"] == "bfloat16"
+    assert kwargs["custom_pipeline_args"]["denoiser_options"] == {"gradient_checkpointing": True}

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
+import json
 import os
 import sys
 import threading
@@ -32,8 +34,11 @@ TOKEN_ENV = "DIFFUSION_ROLLOUT_TOKEN"
 SERVER_EXTRA_MODULES = ("starlette", "uvicorn", "httpx", "safetensors", "PIL")
 
 
-def _load_with_omni_adapters(path: str, device: str | None) -> Any:
-    """The default denoiser factory: ``omni_adapters.from_pretrained(path, device=...)``.
+def _load_with_omni_adapters(
+    path: str, device: str | None, dtype: str | None = None, options: dict | None = None
+) -> Any:
+    """The default denoiser factory: ``omni_adapters.from_pretrained(path, device=...,
+    dtype=..., **options)`` (``--device``, ``--dtype``, ``--model-options``).
 
     Imported by name here, at run time, so the package itself never depends on
     omni_adapters (the import-linter contract stays clean).
@@ -45,8 +50,12 @@ def _load_with_omni_adapters(path: str, device: str | None) -> Any:
             "diffusion-rollout serve --model needs omni-adapters (pip install omni-adapters), "
             f"or pass a denoiser_factory to diffusion_rollout.cli.main: {exc}"
         ) from None
-    options = {"device": device} if device else {}
-    return adapters.from_pretrained(path, **options)
+    kwargs = dict(options or {})
+    if device:
+        kwargs["device"] = device
+    if dtype:
+        kwargs["dtype"] = dtype
+    return adapters.from_pretrained(path, **kwargs)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -116,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--version-timeout-s", type=float, default=60.0)
     serve.add_argument("--device", default=None, help="e.g. cuda, cuda:1, cpu")
     serve.add_argument(
+        "--dtype",
+        default=None,
+        help="weights dtype, e.g. bfloat16 (default: the model's; the default loader only)",
+    )
+    serve.add_argument(
+        "--model-options",
+        default=None,
+        metavar="JSON",
+        help="more keyword options for omni_adapters.from_pretrained, a JSON object (the "
+        "default loader only)",
+    )
+    serve.add_argument(
         "--token", default=None, help=f"bearer token (prefer the {TOKEN_ENV} environment variable)"
     )
     serve.add_argument("--log-level", default="info")
@@ -171,6 +192,18 @@ def _in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return out["value"]
 
 
+def _json_object(text: str | None, flag: str) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise SystemExit(f"diffusion-rollout serve: {flag}: not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"diffusion-rollout serve: {flag}: a JSON object, got {text!r}")
+    return value
+
+
 def build_server(
     args: argparse.Namespace,
     denoiser_factory: Callable[[str, str | None], Any] | None = None,
@@ -185,7 +218,15 @@ def build_server(
             f"diffusion-rollout serve: --max-num-seqs must be >= 1, got {args.max_num_seqs}"
         )
     limits = limits_from_args(args)
-    factory = denoiser_factory or _load_with_omni_adapters
+    options = _json_object(args.model_options, "--model-options")
+    if denoiser_factory is not None and (args.dtype or options):
+        raise SystemExit(
+            "diffusion-rollout serve: --dtype and --model-options are for the default loader; "
+            "this server was given its own denoiser factory"
+        )
+    factory = denoiser_factory or functools.partial(
+        _load_with_omni_adapters, dtype=args.dtype, options=options
+    )
     lora = lora_spec_from_args(args)
     try:
         denoiser = _in_own_thread(factory, args.model, args.device)

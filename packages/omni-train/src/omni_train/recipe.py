@@ -160,8 +160,8 @@ class RolloutConfig(_Section):
     url: str | None = Field(
         None,
         description="http: the rollout server's base URL; null = omni-train starts "
-        "`diffusion-rollout serve` for the recipe's model on a free loopback port and stops it "
-        "with the run. A server of your own may outlive a run: a resumed run continues on it; "
+        "`diffusion-rollout serve` for the recipe's model (its model.device, dtype and options) "
+        "on a free loopback port and stops it with the run. A server of your own may outlive a run: a resumed run continues on it; "
         "a new run needs one nobody has pushed weights to.",
     )
     n: int = Field(8, ge=2, description="Samples per prompt (the GRPO group size).")
@@ -657,6 +657,11 @@ class Recipe(_Section):
                 problems.append(
                     "rollout.backend: vllm-omni runs on a GPU (model.device cuda); on CPU use "
                     "embedded or http"
+                )
+            if "rollout" in t.resource_pools:
+                problems.append(
+                    f"trainer.resource_pools.rollout: with rollout.backend {rb} no rollout pool "
+                    "starts on Ray (the server or vllm-omni samples); drop it"
                 )
         elif self.rollout.url is not None:
             problems.append("rollout.url: only for rollout.backend http")

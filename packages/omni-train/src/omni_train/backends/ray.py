@@ -96,7 +96,8 @@ def pool_sizes(recipe: Recipe) -> dict[str, dict[str, float]]:
 
     Defaults: actor and rollout get `trainer.num_workers` workers; on GPU (gpus_per_node > 0)
     actor and rollout share each GPU (0.5 + 0.5, rollout memory sleeps during the update);
-    one reward worker without a GPU."""
+    one reward worker without a GPU. With `rollout.backend` http or vllm-omni no rollout pool
+    starts (a server or vllm-omni samples): 0 rollout workers, none of the cluster's GPUs."""
     t = recipe.trainer
     gpu = t.gpus_per_node > 0
     out = {
@@ -109,6 +110,8 @@ def pool_sizes(recipe: Recipe) -> dict[str, dict[str, float]]:
         pool = t.resource_pools.get(role)  # type: ignore[call-overload]
         if pool is not None:
             out[role].update(pool.model_dump())
+    if recipe.rollout.backend != "embedded":
+        out["rollout"]["workers"] = 0
     total_gpus = sum(v["workers"] * v["gpus_per_worker"] for v in out.values())
     if gpu and total_gpus > t.nnodes * t.gpus_per_node + 1e-9:
         raise TrainError(

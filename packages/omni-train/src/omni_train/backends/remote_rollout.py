@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -116,10 +117,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(recipe: Recipe, model_path: Path) -> tuple[str, subprocess.Popen]:
-    """`diffusion-rollout serve` for the recipe's model on a free loopback port; returns
-    (url, process) once `/health` answers. Its log goes to a temp file, named on failure."""
-    port = _free_port()
+def server_command(recipe: Recipe, model_path: Path, port: int) -> list[str]:
+    """`diffusion-rollout serve` loading the model as the trainer loads it (`model.device`,
+    `model.dtype`, `model.options`), so the rollout samples with the learner's numbers."""
     cmd = [
         sys.executable,
         "-m",
@@ -135,9 +135,21 @@ def start_server(recipe: Recipe, model_path: Path) -> tuple[str, subprocess.Pope
         str(recipe.rollout.max_num_seqs),
         "--device",
         recipe.model.device,
+        "--dtype",
+        recipe.model.dtype,
         "--log-level",
         "warning",
     ]
+    if recipe.model.options:
+        cmd += ["--model-options", json.dumps(dict(recipe.model.options))]
+    return cmd
+
+
+def start_server(recipe: Recipe, model_path: Path) -> tuple[str, subprocess.Popen]:
+    """`diffusion-rollout serve` (`server_command`) on a free loopback port; returns
+    (url, process) once `/health` answers. Its log goes to a temp file, named on failure."""
+    port = _free_port()
+    cmd = server_command(recipe, model_path, port)
     fd, log_name = tempfile.mkstemp(prefix="omni-rollout-server-", suffix=".log")
     with os.fdopen(fd, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
@@ -199,7 +211,15 @@ def make_remote_rollout(
         ) from None
     spec = None if lora_config is None else LoraSpec.from_dict(lora_config).to_dict()
     try:
-        engine = VllmOmniEngine(str(model_path), lora_config=spec, max_num_seqs=r.max_num_seqs)
+        # the denoiser in vllm-omni's worker loads as the trainer's does (`vllm_worker`:
+        # factory(model, dtype=<engine dtype>, **denoiser_options))
+        engine = VllmOmniEngine(
+            str(model_path),
+            lora_config=spec,
+            max_num_seqs=r.max_num_seqs,
+            dtype=recipe.model.dtype,
+            denoiser_options=dict(recipe.model.options),
+        )
     except Exception as exc:  # no GPU, no vLLM: say so, by key
         raise TrainError(f"rollout.backend: vllm-omni could not start: {exc}") from None
     port = RemoteRollout(engine, "vllm-omni", None)
