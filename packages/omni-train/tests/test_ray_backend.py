@@ -108,6 +108,8 @@ def _recipe_for(name: str, base: dict) -> dict:
     for section, changes in ALGO_SECTIONS[name].items():
         d[section] = {**d.get(section, {}), **changes}
     d["algorithm"]["name"] = name
+    if "clip_range" not in ALGORITHMS[name].loss_inputs:  # no ratio clip: the key is refused
+        d["algorithm"] = {k: v for k, v in d["algorithm"].items() if k != "clip_range"}
     return d
 
 
