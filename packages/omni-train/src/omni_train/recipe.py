@@ -161,8 +161,8 @@ class RolloutConfig(_Section):
         None,
         description="http: the rollout server's base URL; null = omni-train starts "
         "`diffusion-rollout serve` for the recipe's model (its model.device, dtype and options) "
-        "on a free loopback port and stops it with the run. A server of your own may outlive a run: a resumed run continues on it; "
-        "a new run needs one nobody has pushed weights to.",
+        "on a free loopback port and stops it with the run. A server of your own may outlive a "
+        "run: a resumed run continues on it; a new run needs one nobody has pushed weights to.",
     )
     n: int = Field(8, ge=2, description="Samples per prompt (the GRPO group size).")
     max_num_seqs: int = Field(16, ge=1, description="Max rows packed into one forward.")
@@ -865,9 +865,11 @@ class Recipe(_Section):
                 "lora.full_regex: verl trains every weight of the actor without LoRA; it "
                 "cannot train a subset"
             )
-        lora_defaults = LoraConfig()
         for key in ("dropout", "init_seed"):
-            if self.lora.enabled and getattr(self.lora, key) != getattr(lora_defaults, key):
+            if (
+                self.lora.enabled
+                and getattr(self.lora, key) != LoraConfig.model_fields[key].default
+            ):
                 out.append(f"lora.{key}: verl's LoRA config has no such setting; keep the default")
         if "clip_ratio_c" in a.options and a.options["clip_ratio_c"] is None:
             out.append(
