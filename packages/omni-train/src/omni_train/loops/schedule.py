@@ -127,7 +127,8 @@ class SyncRollout:
             trajs = self.port.generate_many(requests)
         # the same metrics whichever way the rollout ran
         self.stats = _rollout_stats(before, self.port.stats(), time.perf_counter() - t)
-        if self.reuse_chosen:  # after a fall-back to the replay too  # 1: the update trains through this rollout; 0: it replays
+        # 1: the update trains through this rollout; 0: it replays (after a fall-back too)
+        if self.reuse_chosen:
             self.stats["rollout/graph_kept"] = float(self.differentiable)
         return trajs
 
