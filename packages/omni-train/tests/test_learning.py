@@ -132,19 +132,20 @@ def test_mix_grpo_trains_a_sliding_window_and_learns(tmp_path: Path, tiny_sd3: P
 
 @pytest.mark.slow
 def test_omni_twin_val_reward_rises_above_chance(tmp_path: Path, tiny_thinker: Path) -> None:
-    """The omni CPU twin as shipped (GSPO + LoRA, shape counting, letters A-D), at seed 1:
+    """The omni CPU twin as shipped (GSPO + LoRA, shape counting, letters A-D), at seed 2:
     greedy validation on the class-balanced held-out set ends well above chance (0.25) and
-    the rollout reward rises with it (~1.5 minutes). The seed sets how long the policy sits
-    at chance first; measured at 100 steps, validation at steps 25/50/75/100: seed 1 0.25 /
-    0.50 / 0.63 / 0.66, seed 2 0.38 / 0.69 / 0.47 / 0.63, seed 3 0.38 / 0.28 / 0.44 / 0.59,
-    seed 0 0.25 throughout (it rises after step ~100, so this test ran 150 steps of it)."""
+    the rollout reward rises with it (~45 s). The seed sets how long the policy sits at chance
+    first; measured at 100 steps, validation at steps 25/50/75/100: seed 1 0.25 / 0.50 / 0.63 /
+    0.66, seed 2 0.38 / 0.69 / 0.47 / 0.63, seed 3 0.38 / 0.28 / 0.44 / 0.59, seed 0 0.25
+    throughout (it rises after step ~100). Seed 2 gets there in 50 steps (0.375 / 0.6875, the
+    rollouts' reward 0.263 over steps 1-25 and 0.432 over 26-50), half of seed 1's 100."""
     recipe = load_recipe(
         REPO / "recipes" / "cpu" / "qwen3_omni_mmk12_gspo_lora.yaml",
         [
             f"model.path={tiny_thinker}",
             f"trainer.output_dir={tmp_path / 'omni'}",
-            "trainer.seed=1",
-            "trainer.steps=100",
+            "trainer.seed=2",
+            "trainer.steps=50",
             "trainer.val_every=25",
             "trainer.save_every=0",
             "trainer.sample_every=0",
@@ -154,9 +155,9 @@ def test_omni_twin_val_reward_rises_above_chance(tmp_path: Path, tiny_thinker: P
     rows = train(recipe)
     val = [row["val/reward_mean"] for row in rows if "val/reward_mean" in row]
     r = np.array([row["reward/mean"] for row in rows])
-    assert len(val) == 4, val
+    assert len(val) == 2, val
     # 32 balanced items: a constant answer scores exactly 0.25, a random one 0.25 +- 0.08
-    assert max(val[-2:]) >= 0.45, val
+    assert val[-1] >= 0.45, val
     assert r[-25:].mean() > r[:25].mean() + 0.1, r.round(3).tolist()
 
 
