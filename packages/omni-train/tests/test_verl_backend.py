@@ -234,6 +234,10 @@ def test_advantage_estimator_is_group_relative():
     algorithm = {"norm_adv_by_std_in_grpo": False}
     adv_config, _ = vb.omni_group_advantage(tok, mask, index, config=algorithm)
     torch.testing.assert_close(adv_config, adv_nostd)
+    # and `adv_clip_max` (ours) there: clipped as the local loops clip (+-1.0 -> +-0.5 here)
+    clipped, _ = vb.omni_group_advantage(tok, mask, index, config={"adv_clip_max": 0.5})
+    assert float(want.abs().max()) > 0.5
+    torch.testing.assert_close(clipped[:, 0], want.clamp(-0.5, 0.5))
 
 
 def test_adv_std_global_is_refused_on_verl(tmp_path):
@@ -478,11 +482,13 @@ def test_registered_in_verl_registries():
 
 
 @needs_verl
-@pytest.mark.parametrize("adv_std", ["group", "none"])
-def test_verl_computes_our_advantage_with_the_recipes_std_setting(tmp_path, adv_std):
+@pytest.mark.parametrize(
+    "adv_std,adv_clip_max", [("group", 5.0), ("none", 5.0), ("group", 0.5), ("none", 0.3)]
+)
+def test_verl_computes_our_advantage_with_the_recipes_std_setting(tmp_path, adv_std, adv_clip_max):
     """verl's own `compute_advantage`, called as its trainer calls it (with the algorithm
     config composed from our overrides), gives our group advantages with the recipe's
-    `algorithm.adv_std`."""
+    `algorithm.adv_std`, clipped to its `adv_clip_max` as the local loops clip them."""
     import numpy as np
     from verl import DataProto
     from verl.trainer.ppo.ray_trainer import compute_advantage
@@ -490,7 +496,7 @@ def test_verl_computes_our_advantage_with_the_recipes_std_setting(tmp_path, adv_
     from omni_algos.advantages import group_advantages
 
     vb.register_into_verl()
-    r = omni_recipe(tmp_path, algorithm={"adv_std": adv_std})
+    r = omni_recipe(tmp_path, algorithm={"adv_std": adv_std, "adv_clip_max": adv_clip_max})
     algorithm = _compose(vb.to_overrides(vb.build_verl_config(r))).algorithm
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.9, 0.1])
     tok = torch.zeros(6, 5)
@@ -508,7 +514,10 @@ def test_verl_computes_our_advantage_with_the_recipes_std_setting(tmp_path, adv_
         config=algorithm,
     )
     want = group_advantages(rewards, torch.tensor([0, 0, 0, 1, 1, 1]), std=adv_std, eps=1e-6)
-    torch.testing.assert_close(out.batch["advantages"][:, 0], want)
+    assert (float(want.abs().max()) > adv_clip_max) == (adv_clip_max < 1.0)  # the clip binds
+    torch.testing.assert_close(
+        out.batch["advantages"][:, 0], want.clamp(-adv_clip_max, adv_clip_max)
+    )
 
 
 @needs_verl

@@ -75,6 +75,7 @@ REWARD_FUNCTION_PATH = "pkg://omni_train.backends.verl_backend"
 IMAGE_KEY = "images"
 #: keys verl 0.9's config schema does not declare: set with Hydra's `++key=value`
 ADDED_KEYS = (
+    "algorithm.adv_clip_max",
     "reward.custom_reward_function.reward_kwargs",
     "ray_kwargs.ray_init.runtime_env.env_vars",
 )
@@ -127,7 +128,8 @@ def build_verl_config(
     `algorithm.clip_range` -> `clip_ratio(_low/_high)`; `algorithm.num_minibatches` ->
     `ppo_mini_batch_size` (prompts per optimizer step); `algorithm.epochs` -> `ppo_epochs`;
     `algorithm.kl_beta` -> `use_kl_loss` / `kl_loss_coef`; `algorithm.adv_std` ->
-    `algorithm.norm_adv_by_std_in_grpo`; `rollout.max_new_tokens / temperature / top_p /
+    `algorithm.norm_adv_by_std_in_grpo`; `algorithm.adv_clip_max` -> `algorithm.adv_clip_max`
+    (a key of ours, read by our advantage estimator `omni_group`); `rollout.max_new_tokens / temperature / top_p /
     val_temperature` -> `data.max_response_length` and the rollout's sampling settings; the
     reward (name, options, extract) -> `reward.custom_reward_function` with our
     `omni_compute_score`; `trainer.nnodes/gpus_per_node/steps/seed` -> `trainer.*` and
@@ -231,6 +233,7 @@ def build_verl_config(
         "algorithm": {
             "adv_estimator": ADV_ESTIMATOR,
             "norm_adv_by_std_in_grpo": a.adv_std != "none",
+            "adv_clip_max": a.adv_clip_max,
             "use_kl_in_reward": False,
         },
         "reward": {
@@ -430,17 +433,21 @@ def omni_group_advantage(
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl advantage estimator: `omni_algos.advantages.group_advantages` on the sequence
-    rewards `sum_t token_level_rewards`, groups from verl's `index` (the prompt uid),
-    broadcast over the response tokens; returns (advantages, returns) like verl's GRPO.
+    rewards `sum_t token_level_rewards`, groups from verl's `index` (the prompt uid), clipped
+    to +-`adv_clip_max` as our loops clip them, broadcast over the response tokens; returns
+    (advantages, returns) like verl's GRPO.
 
     verl 0.9's `compute_advantage` hands an estimator it does not know its algorithm
-    ``config``, not the ``norm_adv_by_std_in_grpo`` keyword: the setting is read from there."""
+    ``config``, not the ``norm_adv_by_std_in_grpo`` keyword: the settings are read from there
+    (`adv_clip_max` is ours, added to verl's algorithm config by `build_verl_config`; without
+    it nothing is clipped)."""
     from omni_algos.advantages import group_advantages
 
     if config is not None:
         norm_adv_by_std_in_grpo = bool(
             _cfg_get(config, "norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
         )
+    clip = _cfg_get(config, "adv_clip_max")
 
     scores = token_level_rewards.sum(dim=-1)
     ids: dict[Any, int] = {}
@@ -450,7 +457,10 @@ def omni_group_advantage(
         torch.as_tensor(groups),
         std="group" if norm_adv_by_std_in_grpo else "none",
         eps=epsilon,
-    ).to(token_level_rewards.dtype)
+    )
+    if clip is not None:
+        adv = adv.clamp(-float(clip), float(clip))
+    adv = adv.to(token_level_rewards.dtype)
     adv = adv.unsqueeze(-1) * response_mask
     return adv, adv
 
