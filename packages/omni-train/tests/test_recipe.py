@@ -143,6 +143,7 @@ def test_algorithm_table_refuses_what_does_not_run(recipe_dict, name) -> None:
         base = _with(base, model={"tiny": "qwen3_omni_thinker"})
         base["data"] = {"task": "shapes", "prompts_per_step": 2}
         base["reward"] = {"name": "choice"}
+        base["rollout"] = {"n": 4}  # the sampler's keys are the diffusion loop's
     base = _diffusion_ok(base, name)
     for backend in ("local", "ray", "verl"):
         for mode in ("sync", "async"):
@@ -197,6 +198,40 @@ def test_algorithm_keys_the_algorithm_does_not_read_are_refused(
         _with(recipe_dict(), algorithm={"name": name})
     ).algorithm.model_dump()[field]
     recipe_from_dict(d)
+
+
+@pytest.mark.parametrize(
+    ("omni", "section", "key", "value"),
+    [
+        (False, "rollout", "allowed_tokens", ["A", "B"]),
+        (False, "rollout", "max_new_tokens", 8),
+        (False, "rollout", "temperature", 0.7),
+        (False, "reward", "extract", "first_letter"),
+        (True, "rollout", "num_steps", 8),
+        (True, "rollout", "guidance_scale", 4.5),
+        (True, "rollout", "sde_window_range", [0, 3]),
+        (True, "trainer", "val_samples_per_prompt", 4),
+        (True, "trainer", "val_num_steps", 20),
+    ],
+)
+def test_keys_of_the_other_loop_are_refused(recipe_dict, omni, section, key, value) -> None:
+    """A diffusion model decodes no tokens and an omni model samples no images: their loops'
+    own keys set on the other path are refused by name (their defaults pass)."""
+    from omni_train.recipe import DIFFUSION_ONLY_KEYS, OMNI_ONLY_KEYS
+
+    assert key in (DIFFUSION_ONLY_KEYS if omni else OMNI_ONLY_KEYS)[section]
+    d = recipe_dict()
+    if omni:
+        d = _with(d, model={"tiny": "qwen3_omni_thinker"}, algorithm={"name": "gspo"})
+        d["data"] = {"task": "shapes", "prompts_per_step": 2}
+        d["reward"] = {"name": "choice"}
+        d["rollout"] = {"n": 4}
+    recipe = recipe_from_dict(d)
+    assert recipe.is_omni() == omni
+    with pytest.raises(RecipeError, match=re.escape(f"{section}.{key}: only the")):
+        recipe_from_dict(_with(d, **{section: {key: value}}))
+    default = getattr(getattr(recipe, section), key)
+    recipe_from_dict(_with(d, **{section: {key: default}}))  # written out at its default
 
 
 def test_reward_options_beside_terms_are_refused(recipe_dict) -> None:

@@ -31,6 +31,29 @@ class RecipeError(ValueError):
 #: tiny families of the omni (autoregressive) path; see `Recipe.is_omni`
 OMNI_FAMILIES = ("qwen3_omni_thinker",)
 
+#: keys only one of the two loops reads (`Recipe.is_omni`): the diffusion loop's sampler and
+#: validation grids, the omni loop's decoding and answer extraction. Set to other than its
+#: default on the other path, a key would do nothing there, so `Recipe.check` refuses it.
+DIFFUSION_ONLY_KEYS = {
+    "rollout": (
+        "height",
+        "width",
+        "num_frames",
+        "num_steps",
+        "guidance_scale",
+        "true_cfg_scale",
+        "noise_level",
+        "sde_kind",
+        "sde_window_size",
+        "sde_window_range",
+    ),
+    "trainer": ("val_num_steps", "val_samples_per_prompt"),
+}
+OMNI_ONLY_KEYS = {
+    "rollout": ("max_new_tokens", "temperature", "top_p", "val_temperature", "allowed_tokens"),
+    "reward": ("extract",),
+}
+
 #: keys that were renamed: old dotted key -> what to write instead
 RENAMED_KEYS = {
     "trainer.tensorboard": "trainer.report_to: [tensorboard]",
@@ -667,6 +690,7 @@ class Recipe(_Section):
             problems.append("rollout.url: only for rollout.backend http")
         if self.reward.overlap is True:
             problems.extend(self._overlap_problems())
+        problems.extend(self._other_path_problems())
         if "audio" in self.reward.inputs and t.backend != "local":
             problems.append(
                 "reward.inputs: audio is decoded by the local backend only (trainer.backend "
@@ -710,6 +734,25 @@ class Recipe(_Section):
             )
         if problems:
             raise RecipeError("invalid recipe:\n  " + "\n  ".join(problems))
+
+    def _other_path_problems(self) -> list[str]:
+        """Keys of the other loop (`DIFFUSION_ONLY_KEYS`, `OMNI_ONLY_KEYS`) set to other than
+        their defaults: a diffusion model decodes no tokens, an omni model samples no images."""
+        if self.is_omni():
+            keys, this, reader = DIFFUSION_ONLY_KEYS, "an omni model", "the diffusion loop"
+        else:
+            keys, this, reader = OMNI_ONLY_KEYS, "a diffusion model", "the omni (token) loop"
+        out = []
+        for section, names in keys.items():
+            config = getattr(self, section)
+            fields = type(config).model_fields
+            for name in names:
+                if getattr(config, name) != fields[name].get_default(call_default_factory=True):
+                    out.append(
+                        f"{section}.{name}: only {reader} reads it and this recipe trains {this}; "
+                        "drop the key"
+                    )
+        return out
 
     def _overlap_problems(self) -> list[str]:
         """Where `reward.overlap: true` could not run: only the embedded engine of a sync run
