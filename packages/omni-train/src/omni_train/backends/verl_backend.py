@@ -129,14 +129,15 @@ def build_verl_config(
     `ppo_mini_batch_size` (prompts per optimizer step); `algorithm.epochs` -> `ppo_epochs`;
     `algorithm.kl_beta` -> `use_kl_loss` / `kl_loss_coef`; `algorithm.adv_std` ->
     `algorithm.norm_adv_by_std_in_grpo`; `algorithm.adv_clip_max` -> `algorithm.adv_clip_max`
-    (a key of ours, read by our advantage estimator `omni_group`); `rollout.max_new_tokens / temperature / top_p /
-    val_temperature` -> `data.max_response_length` and the rollout's sampling settings; the
-    reward (name, options, extract) -> `reward.custom_reward_function` with our
-    `omni_compute_score`; `trainer.nnodes/gpus_per_node/steps/seed` -> `trainer.*` and
+    (a key of ours, read by our advantage estimator `omni_group`); `rollout.max_new_tokens /
+    temperature / top_p / val_temperature` -> `data.max_response_length` and the rollout's
+    sampling settings; the reward (name, options, extract) -> `reward.custom_reward_function`
+    with our `omni_compute_score`; `trainer.nnodes/gpus_per_node/steps/seed` -> `trainer.*` and
     `data.seed`; `trainer.report_to` / `wandb_project` -> `trainer.logger` / `project_name`;
     `trainer.keep_checkpoints` -> `max_actor_ckpt_to_keep`; `trainer.overwrite` -> `resume_mode`
     `disable` (else `auto`: the same command continues the run);
-    `ray_kwargs.ray_init.runtime_env.env_vars` = our Ray backend's (`omni_train.backends.ray_runtime.WORKER_RUNTIME_ENV`: verl's Ray workers at the driver's
+    `ray_kwargs.ray_init.runtime_env.env_vars` = our Ray backend's
+    (`omni_train.backends.ray_runtime.WORKER_RUNTIME_ENV`: verl's Ray workers at the driver's
     priority, not Ray's niceness 15; verl merges it onto its own runtime environment). Finally
     every `trainer.verl` entry (dotted key -> value) is set on top.
 
