@@ -125,6 +125,16 @@ def _with(d: dict, **sections) -> dict:
     return d
 
 
+def _omni(d: dict) -> dict:
+    """The minimal recipe turned into the thinker's: a generated task, the choice reward, and
+    none of the diffusion sampler's keys."""
+    d = _with(d, model={"tiny": "qwen3_omni_thinker"})
+    d["data"] = {"task": "shapes", "prompts_per_step": 2}
+    d["reward"] = {"name": "choice"}
+    d["rollout"] = {"n": 4}
+    return d
+
+
 def _diffusion_ok(d: dict, name: str) -> dict:
     """The minimal recipe made valid for a diffusion algorithm."""
     d = _with(d, algorithm={"name": name})
@@ -140,10 +150,7 @@ def test_algorithm_table_refuses_what_does_not_run(recipe_dict, name) -> None:
     row = ALGORITHMS[name]
     base = recipe_dict()
     if row.model == "omni":
-        base = _with(base, model={"tiny": "qwen3_omni_thinker"})
-        base["data"] = {"task": "shapes", "prompts_per_step": 2}
-        base["reward"] = {"name": "choice"}
-        base["rollout"] = {"n": 4}  # the sampler's keys are the diffusion loop's
+        base = _omni(base)
     base = _diffusion_ok(base, name)
     for backend in ("local", "ray", "verl"):
         for mode in ("sync", "async"):
@@ -220,12 +227,7 @@ def test_keys_of_the_other_loop_are_refused(recipe_dict, omni, section, key, val
     from omni_train.recipe import DIFFUSION_ONLY_KEYS, OMNI_ONLY_KEYS
 
     assert key in (DIFFUSION_ONLY_KEYS if omni else OMNI_ONLY_KEYS)[section]
-    d = recipe_dict()
-    if omni:
-        d = _with(d, model={"tiny": "qwen3_omni_thinker"}, algorithm={"name": "gspo"})
-        d["data"] = {"task": "shapes", "prompts_per_step": 2}
-        d["reward"] = {"name": "choice"}
-        d["rollout"] = {"n": 4}
+    d = _with(_omni(recipe_dict()), algorithm={"name": "gspo"}) if omni else recipe_dict()
     recipe = recipe_from_dict(d)
     assert recipe.is_omni() == omni
     with pytest.raises(RecipeError, match=re.escape(f"{section}.{key}: only the")):
