@@ -69,6 +69,12 @@ RENAMED_KEYS = {
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    def differs_from_default(self, name: str) -> bool:
+        """Whether the recipe set `name` to a value other than its default: the checks refuse
+        keys a path ignores only then, so a recipe may still write the default out."""
+        default = type(self).model_fields[name].get_default(call_default_factory=True)
+        return getattr(self, name) != default
+
 
 class ModelConfig(_Section):
     """Which model to train."""
@@ -744,10 +750,8 @@ class Recipe(_Section):
             keys, this, reader = OMNI_ONLY_KEYS, "a diffusion model", "the omni (token) loop"
         out = []
         for section, names in keys.items():
-            config = getattr(self, section)
-            fields = type(config).model_fields
             for name in names:
-                if getattr(config, name) != fields[name].get_default(call_default_factory=True):
+                if getattr(self, section).differs_from_default(name):
                     out.append(
                         f"{section}.{name}: only {reader} reads it and this recipe trains {this}; "
                         "drop the key"
@@ -816,17 +820,16 @@ class Recipe(_Section):
                 f"algorithm.timestep_sampling: {a.name} trains on its rollout's own steps; "
                 "the re-noising t is for diffusion_nft and diffusion_dpo"
             )
-        defaults = AlgorithmConfig.model_fields
         if row.kind != "forward_process":
             for key in ("train_timesteps", "timestep_range"):
-                if getattr(a, key) != defaults[key].default:
+                if a.differs_from_default(key):
                     out.append(
                         f"algorithm.{key}: {a.name} trains on its rollout's own steps; the "
                         "re-noising t is for diffusion_nft and diffusion_dpo"
                     )
         if row.pairs:
             for key in ("adv_std", "adv_clip_max"):
-                if getattr(a, key) != defaults[key].default:
+                if a.differs_from_default(key):
                     out.append(
                         f"algorithm.{key}: {a.name} trains on the best and worst sample of "
                         "each group, not on advantages (drop the key)"
@@ -898,7 +901,7 @@ class Recipe(_Section):
                 "trainer.verl (actor_rollout_ref.actor.optim.lr_scheduler_type, "
                 "lr_warmup_steps) and keep the scheduler constant without warmup here"
             )
-        if o.eps != OptimizerConfig.model_fields["eps"].default:
+        if o.differs_from_default("eps"):
             out.append(
                 "optimizer.eps: not handed to verl; set it through trainer.verl "
                 "(actor_rollout_ref.actor.optim.override_optimizer_config)"
@@ -909,10 +912,7 @@ class Recipe(_Section):
                 "cannot train a subset"
             )
         for key in ("dropout", "init_seed"):
-            if (
-                self.lora.enabled
-                and getattr(self.lora, key) != LoraConfig.model_fields[key].default
-            ):
+            if self.lora.enabled and self.lora.differs_from_default(key):
                 out.append(f"lora.{key}: verl's LoRA config has no such setting; keep the default")
         if "clip_ratio_c" in a.options and a.options["clip_ratio_c"] is None:
             out.append(
