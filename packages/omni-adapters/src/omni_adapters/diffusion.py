@@ -45,6 +45,13 @@ class DiffusionAdapter(OmniModelBase):
     max_sequence_length: ClassVar[int] = 32
     #: static shift used when there is no scheduler component
     shift: ClassVar[float] = 1.0
+    #: FSDP2 mixed precision: bf16 compute, but the velocity comes out in float32, where the
+    #: SDE step's log-probs and the losses are computed
+    mixed_precision: ClassVar[dict[str, str | None]] = {
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+        "output_dtype": "float32",
+    }
 
     # ------------------------------------------------------------ family hooks
     def encode_prompts(self, prompts: list[str], **inputs: Any) -> dict[str, Tensor]:

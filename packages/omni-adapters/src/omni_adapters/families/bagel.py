@@ -629,11 +629,6 @@ class BagelAdapter(DiffusionAdapter):
     trainable_component: ClassVar[str] = "bagel"
     lora_target_modules: ClassVar[tuple[str, ...]] = BAGEL_LORA_TARGETS
     no_split_modules: ClassVar[tuple[str, ...]] = ("BagelMoTDecoderLayer",)
-    mixed_precision: ClassVar[dict[str, str | None]] = {
-        "param_dtype": "bfloat16",
-        "reduce_dtype": "float32",
-        "output_dtype": "float32",
-    }
     shift: ClassVar[float] = 3.0
 
     @classmethod

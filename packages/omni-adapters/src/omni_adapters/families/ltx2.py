@@ -81,11 +81,6 @@ class LTX2Adapter(DiffusionAdapter):
     cfg_param: ClassVar[str] = "guidance_scale"
     lora_target_modules: ClassVar[tuple[str, ...]] = LTX2_LORA_TARGETS
     no_split_modules: ClassVar[tuple[str, ...]] = ("LTX2VideoTransformerBlock",)
-    mixed_precision: ClassVar[dict[str, str | None]] = {
-        "param_dtype": "bfloat16",
-        "reduce_dtype": "float32",
-        "output_dtype": "float32",
-    }
     #: components the text-to-video+audio stage does not use
     unused_components: ClassVar[tuple[str, ...]] = ("processor", "prompt_enhancer", "duration_head")
 

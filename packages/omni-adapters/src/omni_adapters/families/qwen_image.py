@@ -84,11 +84,6 @@ class QwenImageAdapter(DiffusionAdapter):
     cfg_param: ClassVar[str] = "true_cfg_scale"
     lora_target_modules: ClassVar[tuple[str, ...]] = QWEN_LORA_TARGETS
     no_split_modules: ClassVar[tuple[str, ...]] = ("QwenImageTransformerBlock",)
-    mixed_precision: ClassVar[dict[str, str | None]] = {
-        "param_dtype": "bfloat16",
-        "reduce_dtype": "float32",
-        "output_dtype": "float32",
-    }
     prompt_template: ClassVar[str] = PROMPT_TEMPLATE
 
     # ---------------------------------------------------------------- text

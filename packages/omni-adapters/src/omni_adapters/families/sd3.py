@@ -43,11 +43,6 @@ class SD3Adapter(DiffusionAdapter):
     cfg_param: ClassVar[str] = "guidance_scale"
     lora_target_modules: ClassVar[tuple[str, ...]] = SD3_LORA_TARGETS
     no_split_modules: ClassVar[tuple[str, ...]] = ("JointTransformerBlock",)
-    mixed_precision: ClassVar[dict[str, str | None]] = {
-        "param_dtype": "bfloat16",
-        "reduce_dtype": "float32",
-        "output_dtype": "float32",
-    }
     shift: ClassVar[float] = 3.0
 
     # ---------------------------------------------------------------- text

@@ -43,11 +43,6 @@ class Wan22Adapter(DiffusionAdapter):
     cfg_param: ClassVar[str] = "guidance_scale"
     lora_target_modules: ClassVar[tuple[str, ...]] = WAN_LORA_TARGETS
     no_split_modules: ClassVar[tuple[str, ...]] = ("WanTransformerBlock",)
-    mixed_precision: ClassVar[dict[str, str | None]] = {
-        "param_dtype": "bfloat16",
-        "reduce_dtype": "float32",
-        "output_dtype": "float32",
-    }
     shift: ClassVar[float] = 5.0
 
     @classmethod
