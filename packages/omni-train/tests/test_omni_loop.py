@@ -47,7 +47,9 @@ def _omni_dict(tmp_path: Path, model: Path, **sections) -> dict:
 
 
 def test_two_gspo_steps_write_metrics_and_replay_matches(tiny_thinker, tmp_path: Path) -> None:
-    recipe = recipe_from_dict(_omni_dict(tmp_path, tiny_thinker))
+    recipe = recipe_from_dict(
+        _omni_dict(tmp_path, tiny_thinker, trainer={"report_to": ["tensorboard"]})
+    )
     assert recipe.is_omni()
     loop = OmniLoop(recipe, make_ports(recipe))
     params = loop.learner.params_named
@@ -68,6 +70,12 @@ def test_two_gspo_steps_write_metrics_and_replay_matches(tiny_thinker, tmp_path:
     run = Path(recipe.trainer.output_dir)
     assert (run / "reward_curve.png").is_file()
     assert (run / "checkpoint" / "step_0002" / "state.json").is_file()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert "reward/mean" in events.Tags()["scalars"]
+    assert [e.step for e in events.Images("samples")] == [1, 2]  # sample_every: 1
 
 
 def test_omni_resume_equals_uninterrupted(tiny_thinker, tmp_path: Path, monkeypatch) -> None:

@@ -98,14 +98,22 @@ class MetricsLogger:
                 step=int(row["step"]),
             )
 
-    def log_image(self, tag: str, image: np.ndarray, step: int) -> None:
+    def log_image(self, tag: str, path: str | Path, step: int) -> None:
+        """The PNG at `path` (a sample grid the run already wrote) to TensorBoard and wandb;
+        nothing is read when neither is on (metrics.jsonl holds no images)."""
+        if self.tb is None and self.wandb is None:
+            return
+        from PIL import Image
+
+        with Image.open(path) as png:
+            image = np.asarray(png.convert("RGB"))
         if self.tb is not None:
-            self.tb.add_image(tag, np.asarray(image), step, dataformats="HWC")
+            self.tb.add_image(tag, image, step, dataformats="HWC")
             self.tb.flush()
         if self.wandb is not None:
             import wandb
 
-            self.wandb.log({tag: wandb.Image(np.asarray(image))}, step=step)
+            self.wandb.log({tag: wandb.Image(image)}, step=step)
 
     def close(self) -> None:
         if self.tb is not None:

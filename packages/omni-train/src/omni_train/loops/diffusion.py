@@ -562,10 +562,7 @@ class DiffusionLoop:
                 r.rollout.n,
                 labels=score_labels(rewards, details),
             )
-            if self.run.logger.tb is not None or self.run.logger.wandb is not None:
-                from PIL import Image
-
-                self.run.logger.log_image("samples", np.asarray(Image.open(path)), step + 1)
+            self.run.logger.log_image("samples", path, step + 1)
         t4 = time.perf_counter()
         if val_due(self.recipe, step):
             row.update(self.validate(step + 1))
