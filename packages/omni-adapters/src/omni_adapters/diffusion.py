@@ -19,7 +19,13 @@ from torch import Tensor
 
 from .base import OmniModelBase
 
-__all__ = ["NEGATIVE_PREFIX", "DiffusionAdapter", "split_condition", "to_uint8"]
+__all__ = [
+    "NEGATIVE_PREFIX",
+    "DiffusionAdapter",
+    "latent_channel_stats",
+    "split_condition",
+    "to_uint8",
+]
 
 NEGATIVE_PREFIX = "negative_"
 
@@ -226,6 +232,16 @@ class DiffusionAdapter(OmniModelBase):
         z = self.vae_unscale(latents.to(self.device, torch.float32)).to(vae.dtype)
         x = vae.decode(z, return_dict=False)[0]
         return to_uint8(x)
+
+
+def latent_channel_stats(vae_config: Any, like: Tensor) -> tuple[Tensor, Tensor]:
+    """``latents_mean`` and ``latents_std`` of a VAE that normalises each latent channel (Wan's
+    and Qwen-Image's: the model's latent is ``(z - mean) / std``), shaped to broadcast over
+    ``like``'s channels (dim 1)."""
+    shape = (1, -1) + (1,) * (like.dim() - 2)
+    mean = torch.tensor(vae_config.latents_mean, device=like.device).view(shape)
+    std = torch.tensor(vae_config.latents_std, device=like.device).view(shape)
+    return mean, std
 
 
 def to_uint8(x: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..base import module_dtype, register_adapter, write_adapter_options
-from ..diffusion import DiffusionAdapter, to_uint8
+from ..diffusion import DiffusionAdapter, latent_channel_stats, to_uint8
 from ..tiny import register_tiny
 
 __all__ = ["QWEN_LORA_TARGETS", "QwenImageAdapter", "build_tiny_qwen_image", "pack", "unpack"]
@@ -195,10 +195,7 @@ class QwenImageAdapter(DiffusionAdapter):
     # ------------------------------------------------------------------ decode
     def vae_unscale(self, latents: Tensor) -> Tensor:
         """Model latents -> VAE latents: ``z * std + mean`` per channel."""
-        cfg = self.component_config("vae")
-        shape = (1, -1) + (1,) * (latents.dim() - 2)
-        mean = torch.tensor(cfg.latents_mean, device=latents.device).view(shape)
-        std = torch.tensor(cfg.latents_std, device=latents.device).view(shape)
+        mean, std = latent_channel_stats(self.component_config("vae"), latents)
         return latents * std + mean
 
     @torch.no_grad()

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..base import module_dtype, register_adapter, write_adapter_options
+from ..diffusion import latent_channel_stats
 from ..tiny import register_tiny
 from .qwen_image import EDIT_TEMPLATE, QwenImageAdapter, pack, tiny_qwen_components, unpack
 
@@ -194,9 +195,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         vae = self.components["vae"]
         x = (img * 2 - 1).unsqueeze(2).to(vae.dtype)
         z = vae.encode(x).latent_dist.mode()[:, :, 0].float()
-        cfg = vae.config
-        mean = torch.tensor(cfg.latents_mean, device=z.device).view(1, -1, 1, 1)
-        std = torch.tensor(cfg.latents_std, device=z.device).view(1, -1, 1, 1)
+        mean, std = latent_channel_stats(vae.config, z)
         z = (z - mean) / std
         if self.max_condition_images == 1:
             return {"image_latents": z}

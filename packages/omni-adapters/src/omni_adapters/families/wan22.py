@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..base import module_dtype, register_adapter, write_adapter_options
-from ..diffusion import DiffusionAdapter, to_uint8
+from ..diffusion import DiffusionAdapter, latent_channel_stats, to_uint8
 from ..tiny import register_tiny
 
 __all__ = ["WAN_LORA_TARGETS", "Wan22Adapter", "build_tiny_wan22"]
@@ -157,10 +157,7 @@ class Wan22Adapter(DiffusionAdapter):
 
     def vae_unscale(self, latents: Tensor) -> Tensor:
         """Model latents -> VAE latents: ``z * std + mean`` per channel."""
-        cfg = self.component_config("vae")
-        shape = (1, -1) + (1,) * (latents.dim() - 2)
-        mean = torch.tensor(cfg.latents_mean, device=latents.device).view(shape)
-        std = torch.tensor(cfg.latents_std, device=latents.device).view(shape)
+        mean, std = latent_channel_stats(self.component_config("vae"), latents)
         return latents * std + mean
 
     @torch.no_grad()
