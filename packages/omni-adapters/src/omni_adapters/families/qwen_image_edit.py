@@ -33,6 +33,7 @@ __all__ = [
     "QwenImageEditAdapter",
     "build_tiny_qwen_image_edit",
     "images_to_tensor",
+    "tiny_qwen2vl_processor",
 ]
 
 
@@ -227,22 +228,29 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return unpack(out[:, : x.shape[1]], h, w)
 
 
+def tiny_qwen2vl_processor(tokenizer: Any) -> Any:
+    """The edit pipelines' ``Qwen2VLProcessor`` at tiny size: patch 4, merge 2 (a 32 px image
+    is 16 vision tokens, a 16 px one 4), 8x8 to 64x64 pixels."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    kw = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2}
+    kw.update(min_pixels=8 * 8, max_pixels=64 * 64)
+    return Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**kw),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(**kw),
+    )
+
+
 @register_tiny("qwen_image_edit")
 def build_tiny_qwen_image_edit(path: Path, seed: int) -> None:
     """Tiny Qwen-Image-Edit folder: the tiny Qwen-Image components plus a ``Qwen2VLProcessor``
     (patch 4, merge 2: a 32 px image is 16 vision tokens); condition size 32x32, 48 text tokens
     (16 image + 32 text)."""
     from diffusers import QwenImageEditPipeline
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     comps = tiny_qwen_components(seed)
-    kw = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2}
-    kw.update(min_pixels=8 * 8, max_pixels=64 * 64)
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**kw),
-        tokenizer=comps["tokenizer"],
-        video_processor=Qwen2VLVideoProcessor(**kw),
-    )
+    processor = tiny_qwen2vl_processor(comps["tokenizer"])
     QwenImageEditPipeline(processor=processor, **comps).save_pretrained(
         path, safe_serialization=True
     )

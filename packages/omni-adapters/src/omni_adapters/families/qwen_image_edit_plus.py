@@ -28,7 +28,7 @@ from typing import ClassVar
 from ..base import register_adapter, write_adapter_options
 from ..tiny import register_tiny
 from .qwen_image import tiny_qwen_components
-from .qwen_image_edit import EDIT_TEMPLATE, QwenImageEditAdapter
+from .qwen_image_edit import EDIT_TEMPLATE, QwenImageEditAdapter, tiny_qwen2vl_processor
 
 __all__ = ["EDIT_PLUS_TEMPLATE", "QwenImageEditPlusAdapter", "build_tiny_qwen_image_edit_plus"]
 
@@ -64,16 +64,9 @@ def build_tiny_qwen_image_edit_plus(path: Path, seed: int) -> None:
     tokens); condition size 32 x 32 for the VAE, 16 x 16 for the VL encoder; 64 text tokens
     (room for 2 images and the ``Picture i:`` prompts)."""
     from diffusers import QwenImageEditPlusPipeline
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     comps = tiny_qwen_components(seed, zero_cond_t=True)
-    kw = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2}
-    kw.update(min_pixels=8 * 8, max_pixels=64 * 64)
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**kw),
-        tokenizer=comps["tokenizer"],
-        video_processor=Qwen2VLVideoProcessor(**kw),
-    )
+    processor = tiny_qwen2vl_processor(comps["tokenizer"])
     QwenImageEditPlusPipeline(processor=processor, **comps).save_pretrained(
         path, safe_serialization=True
     )
