@@ -39,10 +39,12 @@ __all__ = [
     "MergedLinear",
     "OmniModelBase",
     "adapter_for",
+    "component_class",
     "from_pretrained",
     "is_saved_model",
     "load_family_modules",
     "load_module",
+    "model_index_entries",
     "module_dtype",
     "read_adapter_options",
     "read_architecture",
@@ -407,6 +409,34 @@ class MergedLinear:
     scale: float
 
 
+def model_index_entries(path: Path, skip: Sequence[str] = ()) -> list[tuple[str, str, str]]:
+    """``(name, library, class_name)`` of each component in ``path / "model_index.json"``
+    (diffusers' pipeline index, ``name: [library, class]``), without its ``_`` keys, the names
+    in ``skip`` and the ``[null, null]`` entries of components a pipeline was saved without."""
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(f"{index} not found (override load_components)")
+    return [
+        (name, entry[0], entry[1])
+        for name, entry in json.loads(index.read_text()).items()
+        if not name.startswith("_")
+        and name not in skip
+        and isinstance(entry, list)
+        and len(entry) == 2
+        and entry[0] is not None
+    ]
+
+
+def component_class(path: Path, name: str, library: str, class_name: str) -> Any:
+    """The class a ``model_index.json`` entry names, imported from ``library``."""
+    klass = getattr(importlib.import_module(library), class_name, None)
+    if klass is None:
+        raise ValueError(
+            f"{path / 'model_index.json'}: component {name!r}: {library}.{class_name} not found"
+        )
+    return klass
+
+
 class OmniModelBase:
     """Base of every adapter: model setup, tokenizer config, trainable stage, LoRA, FSDP,
     rollout alignment.
@@ -478,21 +508,9 @@ class OmniModelBase:
         entry is loaded with ``<library>.<class>.from_pretrained(path / name)``; names in
         ``skip`` are not loaded.
         """
-        index = path / "model_index.json"
-        if not index.is_file():
-            raise FileNotFoundError(f"{index} not found (override load_components)")
-        spec = json.loads(index.read_text())
         out: dict[str, Any] = {}
-        for name, entry in spec.items():
-            if name.startswith("_") or name in skip:
-                continue
-            if not (isinstance(entry, list) and len(entry) == 2) or entry[0] is None:
-                continue
-            library, class_name = entry
-            mod = importlib.import_module(library)
-            klass = getattr(mod, class_name, None)
-            if klass is None:
-                raise ValueError(f"{index}: component {name!r}: {library}.{class_name} not found")
+        for name, library, class_name in model_index_entries(path, skip):
+            klass = component_class(path, name, library, class_name)
             sub = path / name
             if isinstance(klass, type) and issubclass(klass, nn.Module):
                 if device.type == "meta" and not (sub / "config.json").is_file():

@@ -35,8 +35,6 @@ guidance scale, image conditioning and the latent upsampler stages.
 
 from __future__ import annotations
 
-import importlib
-import json
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -44,7 +42,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..base import load_module, module_dtype, register_adapter, write_adapter_options
+from ..base import (
+    component_class,
+    load_module,
+    model_index_entries,
+    module_dtype,
+    register_adapter,
+    write_adapter_options,
+)
 from ..diffusion import DiffusionAdapter, to_uint8
 from ..tiny import register_tiny
 
@@ -93,15 +98,8 @@ class LTX2Adapter(DiffusionAdapter):
         vocoder) come from ``diffusers.pipelines.ltx2``; the tokenizer through AutoTokenizer."""
         from transformers import AutoTokenizer
 
-        index = path / "model_index.json"
-        spec = json.loads(index.read_text())
         out: dict[str, Any] = {}
-        for name, entry in spec.items():
-            if name.startswith("_") or name in skip:
-                continue
-            if not (isinstance(entry, list) and len(entry) == 2) or entry[0] is None:
-                continue
-            library, class_name = entry
+        for name, library, class_name in model_index_entries(path, skip):
             sub = path / name
             if device.type == "meta" and not (sub / "config.json").is_file():
                 continue  # config-only folder (architecture checks): tokenizer etc. absent
@@ -110,10 +108,7 @@ class LTX2Adapter(DiffusionAdapter):
                 tok.padding_side = "left"
                 out[name] = tok
                 continue
-            mod = importlib.import_module(_LOCAL_LIBRARIES.get(library, library))
-            klass = getattr(mod, class_name, None)
-            if klass is None:
-                raise ValueError(f"{index}: component {name!r}: {library}.{class_name} not found")
+            klass = component_class(path, name, _LOCAL_LIBRARIES.get(library, library), class_name)
             if isinstance(klass, type) and issubclass(klass, torch.nn.Module):
                 out[name] = load_module(klass, sub, dtype=dtype, device=device)
             else:
