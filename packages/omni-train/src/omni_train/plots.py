@@ -17,6 +17,19 @@ CHAR, LINE = 6, 12
 WHITE = (255, 255, 255)
 
 
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (its folder made if missing) and free it: pyplot
+    keeps every open figure until closed, and a long run draws one per plot."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
 def plot_reward_curve(
     rows: list[dict[str, Any]],
     path: str | Path,
@@ -53,12 +66,7 @@ def plot_reward_curve(
     ax.grid(alpha=0.3)
     if train or val:
         ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 def score_labels(scores: np.ndarray, details: dict[str, Any] | None = None) -> list[str]:
@@ -227,9 +235,4 @@ def save_waveform_plot(waveform: np.ndarray, sample_rate: int, path: str | Path)
     ax.set_ylim(-1.05, 1.05)
     if len(w) > 1:
         ax.legend(loc="upper right", fontsize=7)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

@@ -536,6 +536,8 @@ def _plot_losses(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
+    from .plots import save_figure
+
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=100)
     for ax, stage, key in ((axes[0], "vae", "mse"), (axes[1], "flow", "loss")):
         pts = [(r["step"], r[key]) for r in rows if r.get("stage") == stage]
@@ -549,9 +551,7 @@ def _plot_losses(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_xlabel("step")
         ax.set_title(f"{stage} {key}")
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def pretrain(cfg: PretrainConfig, *, progress: bool = True) -> Path:

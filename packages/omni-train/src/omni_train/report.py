@@ -11,7 +11,7 @@ from pathlib import Path
 from .checkpoint import latest_checkpoint
 from .errors import TrainError
 from .logger import read_metrics
-from .plots import plot_reward_curve
+from .plots import plot_reward_curve, save_figure
 from .recipe import load_recipe
 
 #: curves drawn besides the reward (each when present in metrics.jsonl)
@@ -86,10 +86,7 @@ def _curve_png(rows: list[dict], key: str, path: Path) -> Path | None:
     ax.set_title(key, fontsize=9)
     ax.set_xlabel("step", fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_report(run: str | Path) -> Path:
