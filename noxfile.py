@@ -1,8 +1,7 @@
 """Developer sessions for the omni-rl workspace.
 
     uv run nox -s tests          every package's tests (and tests/, the repository's checks) in
-                                 the workspace environment, omni-train's beside the rest
-                                 (TEST_LANES), then a table of each one's time
+                                 the workspace environment, then a table of each one's time
     uv run nox -s dockerfiles    docker/*: hadolint, and COPY/ADD sources exist in the repository
     uv run nox -s tests-omni-algos   one package's tests
     uv run nox -s lint           ruff check + ruff format --check
@@ -23,12 +22,10 @@ from __future__ import annotations
 import os
 import re
 import resource
-import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -92,14 +89,19 @@ def _test_env() -> dict[str, str]:
     return env
 
 
-def _pytest_argv(python: str, package: str, *args: str, target: str = "") -> list[str]:
-    target = target or f"packages/{package}/tests"
-    return [python, "-m", "pytest", target, "-q", "-p", "no:cacheprovider", *args]
-
-
 def _pytest(session: nox.Session, python: str, package: str, *args: str, target: str = "") -> None:
-    argv = _pytest_argv(python, package, *args, target=target)
-    session.run(*argv, env=_test_env(), external=True)
+    session.run(
+        python,
+        "-m",
+        "pytest",
+        target or f"packages/{package}/tests",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *args,
+        env=_test_env(),
+        external=True,
+    )
 
 
 @nox.session(venv_backend="none")
@@ -179,77 +181,18 @@ def timing_table(rows: list[tuple[str, float, float, str]]) -> str:
     return "\n".join(lines)
 
 
-# `tests` runs its rows in two lanes side by side: omni-train's (about half of the whole) in one,
-# the other packages and the repository's checks one after another in the other. One pytest
-# process keeps about one core busy (the table's CPU s close to its wall s), so on the 2-core
-# CI machine one lane left a core idle (README, "Development").
-TEST_LANES: tuple[tuple[str, ...], ...] = (
-    ("omni-train",),
-    ("omni-algos", "omni-rewards", "omni-adapters", "diffusion-rollout", REPOSITORY),
-)
-
-
-def _run_row(argv: list[str], env: dict[str, str], log) -> tuple[int, float]:
-    """Run ``argv`` to its end with its output in ``log``: its exit code and CPU seconds (user
-    + sys of it and the children it reaped, from wait4: ``getrusage(RUSAGE_CHILDREN)`` would
-    mix the lanes' processes)."""
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_utime + usage.ru_stime
-
-
-def _run_lanes(session: nox.Session, lanes: tuple[tuple[str, ...], ...], argv) -> None:
-    """``argv(name)`` for each row, the rows of a lane one after another and the lanes side by
-    side, all of them even when one fails. Each row's output is printed whole when it ends (so
-    two lanes never interleave lines), then the timing table; the session fails at the end if
-    any row did."""
-    env = {**os.environ, **_test_env()}
-    rows: dict[str, tuple[str, float, float, str]] = {}
-    print_lock = threading.Lock()
-
-    def run_lane(names: tuple[str, ...]) -> None:
-        for name in names:
-            with tempfile.TemporaryFile("w+") as log:
-                wall = time.monotonic()
-                try:
-                    code, cpu = _run_row(argv(name), env, log)
-                    result = "passed" if code == 0 else f"FAILED (exit {code})"
-                except OSError as exc:  # the row never started: say so, run the lane's rest
-                    cpu, result = 0.0, f"FAILED ({exc})"
-                wall = time.monotonic() - wall
-                log.seek(0)
-                with print_lock:
-                    session.log(f"{name}: {shlex.join(argv(name))}")
-                    print(log.read(), end="", flush=True)
-            rows[name] = (name, wall, cpu, result)
-
-    start = time.monotonic()
-    threads = [threading.Thread(target=run_lane, args=(lane,)) for lane in lanes]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    ordered = [rows[name] for lane in lanes for name in lane]
-    print(timing_table(ordered), flush=True)
-    print(f"{len(lanes)} lanes side by side: {time.monotonic() - start:.1f} s wall", flush=True)
-    failed = [name for name, *_, result in ordered if result != "passed"]
-    if failed:
-        session.error(f"tests failed in {', '.join(failed)}")
-
-
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """Every package's tests, one pytest run per package (as their standalone runs do), and the
-    repository's checks in tests/, in the two lanes of ``TEST_LANES``; then a table of each
-    one's time. A failure does not stop the rest."""
+    repository's checks in tests/; then a table of each one's time. A failure does not stop the
+    rest."""
     _precompile(session)
 
-    def argv(name: str) -> list[str]:
+    def run(name: str) -> None:
         target = "tests" if name == REPOSITORY else ""
-        return _pytest_argv(sys.executable, name, *session.posargs, target=target)
+        _pytest(session, sys.executable, name, *session.posargs, target=target)
 
-    _run_lanes(session, TEST_LANES, argv)
+    _run_timed(session, [*PACKAGES, REPOSITORY], run)
 
 
 @nox.session(venv_backend="none")
