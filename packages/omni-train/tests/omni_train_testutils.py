@@ -19,9 +19,11 @@ def rollout_and_score(loop, step: int = 0):
     return trajs, rewards
 
 
-def minimal_recipe(run_dir, model, **trainer) -> dict:
-    """A small trainable recipe dict on a tiny SD3 at `model` (brightness reward)."""
-    return {
+def minimal_recipe(run_dir, model, sections: dict | None = None, **trainer) -> dict:
+    """A small trainable recipe dict on a tiny SD3 at `model` (brightness reward). `sections`
+    adds to or overrides the keys of whole sections (``{"rollout": {"noise_level": 0.8}}``),
+    `trainer` the trainer section's."""
+    recipe = {
         "experiment": "test",
         "model": {"path": str(model), "tiny": "sd3"},
         "data": {"prompts": ["a red square", "a blue circle"], "prompts_per_step": 2},
@@ -42,6 +44,9 @@ def minimal_recipe(run_dir, model, **trainer) -> dict:
             **trainer,
         },
     }
+    for name, keys in (sections or {}).items():
+        recipe.setdefault(name, {}).update(keys)
+    return recipe
 
 
 def without_timings(rows: list[dict]) -> list[dict]:

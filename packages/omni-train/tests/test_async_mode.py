@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from omni_train_testutils import without_timings
+from omni_train_testutils import minimal_recipe, without_timings
 
 from omni_train.backends import make_ports
 from omni_train.errors import TrainError
@@ -16,36 +16,13 @@ from omni_train.recipe import recipe_from_dict
 
 
 def recipe(tmp, model, rollout_backend="embedded", **trainer):
-    return recipe_from_dict(
-        {
-            "experiment": "async",
-            "model": {"path": str(model), "tiny": "sd3"},
-            "data": {"prompts": ["a red square", "a blue circle"], "prompts_per_step": 2},
-            "rollout": {
-                "n": 4,
-                "height": 32,
-                "width": 32,
-                "num_steps": 4,
-                "sde_window_size": 2,
-                "sde_window_range": [0, 2],
-                "noise_level": 0.8,
-                "backend": rollout_backend,
-            },
-            "reward": {"name": "brightness"},
-            "algorithm": {"name": "flow_grpo", "clip_range": 0.2},
-            "optimizer": {"lr": 1e-2},
-            "trainer": {
-                "steps": 3,
-                "output_dir": str(tmp / "run"),
-                "progress": False,
-                "threads": 1,
-                "sample_every": 0,
-                "mode": "async",
-                "max_staleness": 1,
-                **trainer,
-            },
-        }
-    )
+    sections = {
+        "rollout": {"noise_level": 0.8, "backend": rollout_backend},
+        "algorithm": {"name": "flow_grpo", "clip_range": 0.2},
+        "optimizer": {"lr": 1e-2},
+    }
+    trainer = {"steps": 3, "threads": 1, "mode": "async", "max_staleness": 1, **trainer}
+    return recipe_from_dict(minimal_recipe(tmp / "run", model, sections, **trainer))
 
 
 def test_launch_rule_bounds_staleness():

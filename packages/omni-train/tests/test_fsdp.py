@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-from omni_train_testutils import local_loop, rollout_and_score
+from omni_train_testutils import local_loop, minimal_recipe, rollout_and_score
 
 from omni_train.backends import fsdp
 from omni_train.backends.local import LocalLearner
@@ -70,18 +70,7 @@ def one_rank():
 
 
 def test_fsdp_update_equals_local_update(tmp_path, one_rank, tiny_sd3):
-    d = {
-        "model": {"path": str(tiny_sd3), "tiny": "sd3"},
-        "data": {"prompts": ["a red square", "a blue circle"], "prompts_per_step": 2},
-        "rollout": {
-            "n": 4,
-            "height": 32,
-            "width": 32,
-            "num_steps": 4,
-            "sde_window_size": 2,
-            "sde_window_range": [0, 2],
-        },
-        "reward": {"name": "brightness"},
+    sections = {
         "algorithm": {
             "name": "grpo_guard",
             "clip_range": 0.2,
@@ -89,13 +78,8 @@ def test_fsdp_update_equals_local_update(tmp_path, one_rank, tiny_sd3):
             "kl_beta": 0.1,
         },
         "optimizer": {"lr": 1e-2, "eps": 1e-4},
-        "trainer": {
-            "output_dir": str(tmp_path / "run"),
-            "progress": False,
-            "threads": 1,
-            "sample_every": 0,
-        },
     }
+    d = minimal_recipe(tmp_path / "run", tiny_sd3, sections, threads=1)
     r = recipe_from_dict(d)
     loop = local_loop(r, tmp_path / "a")
     trajs, rewards = rollout_and_score(loop)

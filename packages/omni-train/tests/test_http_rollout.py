@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from omni_train_testutils import minimal_recipe
 
 from omni_train import train
 from omni_train.errors import TrainError
@@ -26,31 +27,12 @@ pytest.importorskip("httpx")
 def _recipe(
     tmp: Path, model: Path, trainer: dict | None = None, algorithm: dict | None = None, **rollout
 ) -> dict:
-    return {
-        "experiment": "http",
-        "model": {"path": str(model), "tiny": "sd3"},
-        "data": {"prompts": ["a red square", "a blue circle"], "prompts_per_step": 2},
-        "rollout": {
-            "n": 4,
-            "height": 32,
-            "width": 32,
-            "num_steps": 4,
-            "sde_window_size": 2,
-            "sde_window_range": [0, 3],
-            "noise_level": 0.8,
-            **rollout,
-        },
-        "reward": {"name": "brightness"},
+    sections = {
+        "rollout": {"sde_window_range": [0, 3], "noise_level": 0.8, **rollout},
         "algorithm": {"name": "flow_grpo", "clip_range": 0.2, **(algorithm or {})},
         "optimizer": {"lr": 2e-2},
-        "trainer": {
-            "steps": 3,
-            "progress": False,
-            "sample_every": 0,
-            "output_dir": str(tmp),
-            **(trainer or {}),
-        },
     }
+    return minimal_recipe(tmp, model, sections, **{"steps": 3, **(trainer or {})})
 
 
 def _free_port() -> int:
