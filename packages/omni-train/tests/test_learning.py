@@ -165,10 +165,11 @@ def test_omni_twin_val_reward_rises_above_chance(tmp_path: Path, tiny_thinker: P
 def test_sigkill_then_resume_matches(tmp_path: Path, tiny_sd3: Path) -> None:
     """A run killed with SIGKILL mid-training, resumed, ends with the uninterrupted metrics.
 
-    The thread count is pinned: under `trainer.threads: null` each step takes the cores the
-    machine's load leaves free (CoreShare), and a float sum over other thread counts rounds
-    otherwise, so the three runs (in this process, a subprocess, the resume) would agree only
-    when the load happened to give each the same counts."""
+    The thread count is pinned: under `trainer.threads: null` a run keeps its process's torch
+    threads, and the first run and the resume run in pytest's process, at whatever count an
+    earlier test's recipe set (`threads: 2` sets it for the process), while the killed run's
+    subprocess starts from OMP_NUM_THREADS or the cores; 1 and 2 threads round float sums
+    differently, so with OMP_NUM_THREADS=1 the metrics differed in their fourth digit."""
     over = [
         f"model.path={tiny_sd3}",
         "trainer.threads=1",

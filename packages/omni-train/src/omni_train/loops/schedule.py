@@ -308,7 +308,7 @@ def usable_cores() -> int:
 
 
 class CoreShare:
-    """`trainer.threads: null` on a CPU, in the synchronous loop: before each step the
+    """`trainer.threads: auto` on a CPU, in the synchronous loop: before each step the
     torch threads become `free_cores` of the machine (docs/performance.md).
 
     With more busy threads than cores, an OpenMP team's workers spin on cores that other
